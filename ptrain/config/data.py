@@ -1,0 +1,142 @@
+"""Data config: where rows come from, how they are read, tokenised, packed and checked.
+
+`DataConfig` is the Hydra `data` group schema. Sequence length and batch size are not
+here: they belong to the train config (`train.seq_len`, `train.global_batch_size`) and
+are passed to the iterator builders in `ptrain.data`.
+
+`validate_data_config(cfg)` rejects impossible values and missing files before any
+compute; each message names the key (`data.<field>`) and says what to pass.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+SOURCE_KINDS = ("generated", "jsonl", "parquet")
+FORMATS = ("auto", "chat", "prompt_completion", "preference")
+BAD_ROW_POLICIES = ("skip", "fail")
+TASK_OPS = ("+", "-", "*")
+
+
+class DataConfigError(ValueError):
+    """A data config value that cannot work; the message names the key and what to pass."""
+
+
+@dataclass
+class GeneratedTaskConfig:
+    """Knobs of the embedded arithmetic task (`ptrain.data.tasks`)."""
+
+    n_train: int = 20000
+    """Distinct training problems (rows). Must be >= 1."""
+    n_eval: int = 256
+    """Distinct held-out problems, disjoint from the training ones. Must be >= 1."""
+    min_digits: int = 2
+    """Fewest digits of the first operand. 1 <= min_digits <= max_digits."""
+    max_digits: int = 3
+    """Most digits of the first operand (and of the second for + and -). At most 9."""
+    ops: list[str] = field(default_factory=lambda: ["+", "-"])
+    """Operations to draw from, each equally likely: '+', '-' (result never negative),
+    '*' (multi-digit times one digit)."""
+    seed: int = 0
+    """Seed of the problem draw; the same knobs and seed give byte-identical files."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "generated"
+    """Where rows come from: generated (the embedded arithmetic task, written as JSONL into
+    the run directory) | jsonl | parquet (local files at train_path / eval_path)."""
+    train_path: Optional[str] = None
+    """Training file for source=jsonl|parquet (required there). Ignored for generated."""
+    eval_path: Optional[str] = None
+    """Held-out file for source=jsonl|parquet; None: no held-out loss for that source."""
+    format: str = "auto"
+    """Row layout: auto (detect per row) | chat ({"messages": [{role, content}, ...]}) |
+    prompt_completion ({"prompt": str|messages, "completion": str|messages}) | preference
+    ({"prompt", "chosen", "rejected"}; DPO stages). auto never picks preference: a DPO stage
+    sets format=preference."""
+    packing: bool = True
+    """Pack several examples per row (segment ids keep attention and targets inside each
+    example). False: one example per row, padded to the sequence length."""
+    packing_bins: int = 0
+    """First-fit packing bins open at once (more bins: less padding, more epoch mixing).
+    0: the batch size. Must be >= 0."""
+    shuffle: bool = True
+    """Shuffle training rows (a new permutation each epoch). Held-out passes never shuffle."""
+    shuffle_seed: int = 0
+    """Seed of the shuffle and of the packing-bin order."""
+    num_epochs: Optional[int] = None
+    """Passes over the training rows; None repeats forever (train.steps decides the length).
+    Must be >= 1 when set."""
+    truncate: bool = True
+    """Over-long examples are cut at the sequence length, from the right. False: an example
+    longer than the sequence length is a bad row (reason too_long)."""
+    bad_rows: str = "skip"
+    """What a bad row does: skip (drop it, count it, report reasons and row numbers) |
+    fail (raise at the first one, naming file, row and problem)."""
+    max_bad_fraction: float = 0.5
+    """With bad_rows=skip, fail anyway when more than this fraction of the rows is bad
+    (a wrong format or the wrong file, not a few bad rows). In [0, 1]."""
+    report_rows: int = 10
+    """Row numbers kept per bad-row reason in the report. Must be >= 0."""
+    tokenizer_path: Optional[str] = None
+    """Local Hugging Face tokenizer folder (tokenizer.json + tokenizer_config.json with a
+    chat template). None: the model folder's tokenizer, else the embedded byte-level BPE
+    tokenizer that ptrain builds locally."""
+    tokenizer_vocab_size: int = 512
+    """Vocabulary size of the embedded tokenizer (256 bytes + 4 special tokens + merges).
+    Must be >= 260."""
+    num_workers: int = 0
+    """Grain worker processes; 0 runs the pipeline in-process (best for small data)."""
+    generated: GeneratedTaskConfig = field(default_factory=GeneratedTaskConfig)
+    """Embedded task knobs, used when source=generated."""
+
+
+def _check(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise DataConfigError(f"config key 'data.{key}': {msg}")
+
+
+def validate_data_config(cfg: DataConfig) -> None:
+    """Raise DataConfigError (or FileNotFoundError for a missing file) naming the key and the fix."""
+    _check(cfg.source in SOURCE_KINDS, "source",
+           f"unknown source '{cfg.source}'; pass one of {', '.join(SOURCE_KINDS)}")
+    _check(cfg.format in FORMATS, "format", f"unknown format '{cfg.format}'; pass one of {', '.join(FORMATS)}")
+    _check(cfg.bad_rows in BAD_ROW_POLICIES, "bad_rows", f"pass skip or fail, got '{cfg.bad_rows}'")
+    _check(0.0 <= cfg.max_bad_fraction <= 1.0, "max_bad_fraction", f"must be in [0, 1], got {cfg.max_bad_fraction}")
+    _check(cfg.report_rows >= 0, "report_rows", f"must be >= 0, got {cfg.report_rows}")
+    _check(cfg.packing_bins >= 0, "packing_bins", f"must be >= 0 (0: the batch size), got {cfg.packing_bins}")
+    _check(cfg.num_epochs is None or cfg.num_epochs >= 1, "num_epochs",
+           f"must be >= 1, or null to repeat forever, got {cfg.num_epochs}")
+    _check(cfg.num_workers >= 0, "num_workers", f"must be >= 0 (0: in-process), got {cfg.num_workers}")
+    _check(cfg.tokenizer_vocab_size >= 260, "tokenizer_vocab_size",
+           f"must be >= 260 (256 bytes + 4 special tokens), got {cfg.tokenizer_vocab_size}")
+    if cfg.tokenizer_path is not None and not os.path.isfile(os.path.join(cfg.tokenizer_path, "tokenizer.json")):
+        raise FileNotFoundError(
+            f"config key 'data.tokenizer_path': no tokenizer.json in '{cfg.tokenizer_path}'; pass a local "
+            "Hugging Face tokenizer folder, or null for the embedded tokenizer (nothing is downloaded)")
+    if cfg.source == "generated":
+        g = cfg.generated
+        _check(g.n_train >= 1, "generated.n_train", f"must be >= 1, got {g.n_train}")
+        _check(g.n_eval >= 1, "generated.n_eval", f"must be >= 1, got {g.n_eval}")
+        _check(1 <= g.min_digits <= g.max_digits <= 9, "generated.min_digits",
+               f"need 1 <= min_digits <= max_digits <= 9, got min_digits={g.min_digits} max_digits={g.max_digits}")
+        _check(len(g.ops) > 0 and all(op in TASK_OPS for op in g.ops), "generated.ops",
+               f"pass a non-empty list drawn from {list(TASK_OPS)}, got {list(g.ops)}")
+        return
+    _check(cfg.train_path is not None, "train_path",
+           f"source={cfg.source} needs a training file; pass data.train_path=/path/to/train.{cfg.source}")
+    for key in ("train_path", "eval_path"):
+        path = getattr(cfg, key)
+        if path is None:
+            continue
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"config key 'data.{key}': file '{path}' does not exist; pass the path of a local "
+                f"{cfg.source} file (nothing is downloaded)")
+        ext = os.path.splitext(path)[1].lower()
+        want = (".jsonl", ".json", ".ndjson") if cfg.source == "jsonl" else (".parquet", ".pq")
+        _check(ext in want, key, f"'{path}' does not look like a {cfg.source} file (extension {ext or 'none'}); "
+               f"pass a {'/'.join(want)} file or set data.source to match the file")
