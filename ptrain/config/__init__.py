@@ -1,0 +1,26 @@
+"""Typed run configuration: dataclasses registered in Hydra's ConfigStore, and validation.
+
+`RunConfig` is the root; each Hydra group (model, data, algo, optim, mesh, logging,
+checkpoint) is backed by one dataclass whose fields are documented where declared.
+"""
+
+from ptrain.config.model import ModelConfig
+from ptrain.config.train import (
+    AlgoConfig,
+    CheckpointConfig,
+    DPOAlgoConfig,
+    LoggingConfig,
+    MeshConfig,
+    OptimConfig,
+    SFTAlgoConfig,
+    StageConfig,
+    TrainConfig,
+    STAGE_KINDS,
+)
+from ptrain.config.run import RunConfig, register_configs, ConfigError, to_run_config, stage_config
+
+__all__ = [
+    "AlgoConfig", "CheckpointConfig", "ConfigError", "DPOAlgoConfig", "LoggingConfig", "MeshConfig",
+    "ModelConfig", "OptimConfig", "RunConfig", "SFTAlgoConfig", "STAGE_KINDS", "StageConfig",
+    "TrainConfig", "register_configs", "stage_config", "to_run_config",
+]

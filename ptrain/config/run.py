@@ -1,0 +1,192 @@
+"""The root RunConfig, its registration with Hydra, and validation before any compute."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from ptrain.config.data import DataConfig, validate_data_config
+from ptrain.config.model import ModelConfig
+from ptrain.config.train import (
+    AlgoConfig,
+    CheckpointConfig,
+    LoggingConfig,
+    MeshConfig,
+    OptimConfig,
+    StageConfig,
+    TrainConfig,
+    STAGE_KINDS,
+)
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the key and what to pass."""
+
+
+@dataclass
+class RunConfig:
+    name: str = "default"
+    """Run name; the default run directory is runs/<name> (recipes set it)."""
+    run_dir: str = "runs/default"
+    """Where stages write checkpoints, exports, metrics and the resolved config. Re-launching
+    with the same run_dir skips finished stages and resumes the unfinished one."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    stages: list[StageConfig] = field(default_factory=lambda: [StageConfig()])
+    """Ordered stages of the recipe; each starts from the previous one's export."""
+    recipe: Optional[Any] = None
+    """Set by the `recipe` group (its files hold only overrides); unused at run time."""
+
+
+_GROUPS = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "algo": AlgoConfig,
+    "optim": OptimConfig,
+    "mesh": MeshConfig,
+    "logging": LoggingConfig,
+    "checkpoint": CheckpointConfig,
+}
+
+
+def register_configs() -> None:
+    """Register the schemas: `base_config` for the root, `<group>/schema` for each group."""
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=RunConfig)
+    for group, node in _GROUPS.items():
+        cs.store(group=group, name="schema", node=node)
+
+
+def to_run_config(cfg: DictConfig | dict) -> RunConfig:
+    """Turn a composed config into a typed RunConfig and validate it.
+
+    Unknown keys and wrong types raise ConfigError naming the key; impossible values too.
+    """
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(RunConfig), cfg)
+        run: RunConfig = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise ConfigError(_explain_omegaconf_error(e)) from None
+    validate(run)
+    return run
+
+
+def stage_config(run: RunConfig, stage: StageConfig) -> RunConfig:
+    """The RunConfig one stage sees: the top-level nodes with the stage's overrides merged in."""
+    base = OmegaConf.structured(run)
+    overrides = {k: getattr(stage, k) for k in ("train", "optim", "data", "algo") if getattr(stage, k)}
+    try:
+        merged = OmegaConf.merge(base, overrides)
+        out: RunConfig = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"in stage '{stage.name}': " + _explain_omegaconf_error(e, prefix=f"stages.{stage.name}.")) from None
+    out.stages = [stage]
+    _validate_values(out, where=f"stage '{stage.name}': ")
+    return out
+
+
+def _explain_omegaconf_error(e: OmegaConfBaseException, prefix: str = "") -> str:
+    key = getattr(e, "full_key", None) or ""
+    msg = str(e).splitlines()[0]
+    node_type = getattr(e, "object_type", None)
+    hint = ""
+    if "not in" in msg and node_type is not None and dataclasses.is_dataclass(node_type):
+        names = ", ".join(f.name for f in dataclasses.fields(node_type))
+        hint = f" Valid keys here: {names}."
+    elif "Value" in msg and ("could not be converted" in msg or "is not a" in msg):
+        hint = " Pass a value of the declared type (see `python -m ptrain --cfg job` for the defaults)."
+    return f"config key '{prefix}{key}': {msg}.{hint}"
+
+
+def _check(cond: bool, key: str, msg: str, where: str = "") -> None:
+    if not cond:
+        raise ConfigError(f"{where}config key '{key}': {msg}")
+
+
+def validate(run: RunConfig) -> None:
+    """Reject impossible values before any compute; each message names the key and a fix."""
+    names = [s.name for s in run.stages]
+    _check(len(run.stages) > 0, "stages", "a recipe needs at least one stage, e.g. stages=[{name: sft, kind: sft}]")
+    _check(len(set(names)) == len(names), "stages", f"stage names must be unique, got {names}")
+    for i, s in enumerate(run.stages):
+        _check(s.kind in STAGE_KINDS, f"stages[{i}].kind",
+               f"unknown stage kind '{s.kind}'; pass one of {', '.join(STAGE_KINDS)}")
+        _check(bool(s.name) and "/" not in s.name, f"stages[{i}].name", f"'{s.name}' must be a non-empty name without '/'")
+        if s.init not in ("previous", "base"):
+            _check(os.path.isdir(s.init), f"stages[{i}].init",
+                   f"'{s.init}' is neither 'previous', 'base' nor an existing Hugging Face folder")
+    for s in run.stages:
+        stage_config(run, s)  # validates every stage's merged values
+
+
+def _validate_values(run: RunConfig, where: str = "") -> None:
+    t, o, m, mesh = run.train, run.optim, run.model, run.mesh
+    c = lambda cond, key, msg: _check(cond, key, msg, where)
+    c(t.steps > 0, "train.steps", f"must be > 0, got {t.steps}")
+    c(t.grad_accum >= 1, "train.grad_accum", f"must be >= 1, got {t.grad_accum}")
+    c(t.global_batch_size > 0, "train.global_batch_size", f"must be > 0, got {t.global_batch_size}")
+    c(t.global_batch_size % t.grad_accum == 0, "train.global_batch_size",
+      f"{t.global_batch_size} is not divisible by train.grad_accum={t.grad_accum}")
+    c(t.seq_len > 1, "train.seq_len", f"must be > 1, got {t.seq_len}")
+    c(t.eval_every >= 0, "train.eval_every", f"must be >= 0, got {t.eval_every}")
+    c(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
+    c(o.name in ("adamw", "adam", "sgd", "adafactor", "lion"), "optim.name",
+      f"unknown optimizer '{o.name}'; pass adamw, adam, sgd, adafactor or lion")
+    c(o.schedule in ("constant", "linear", "cosine"), "optim.schedule",
+      f"unknown schedule '{o.schedule}'; pass constant, linear or cosine")
+    c(o.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
+    c(0 <= o.warmup_ratio < 1, "optim.warmup_ratio", f"must be in [0, 1), got {o.warmup_ratio}")
+    c(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
+    c(o.weight_decay >= 0, "optim.weight_decay", f"must be >= 0, got {o.weight_decay}")
+    c(o.grad_clip >= 0, "optim.grad_clip", f"must be >= 0 (0 disables), got {o.grad_clip}")
+    c(m.n_heads % m.n_kv_heads == 0 if m.n_kv_heads > 0 else False, "model.n_kv_heads",
+      f"must be > 0 and divide model.n_heads={m.n_heads}, got {m.n_kv_heads}")
+    c(m.dtype in ("float32", "bfloat16"), "model.dtype", f"pass float32 or bfloat16, got '{m.dtype}'")
+    c(m.remat in ("none", "full", "dots"), "model.remat", f"pass none, full or dots, got '{m.remat}'")
+    if m.hf_path is not None:
+        c(os.path.isfile(os.path.join(m.hf_path, "config.json")), "model.hf_path",
+          f"no config.json in '{m.hf_path}'; pass a local Hugging Face model folder (nothing is downloaded)")
+    for axis in ("fsdp", "tensor", "expert"):
+        c(getattr(mesh, axis) >= 1, f"mesh.{axis}", f"must be >= 1, got {getattr(mesh, axis)}")
+    c(mesh.data == -1 or mesh.data >= 1, "mesh.data", f"must be -1 (fill) or >= 1, got {mesh.data}")
+    c(run.checkpoint.keep >= 1, "checkpoint.keep", f"must be >= 1, got {run.checkpoint.keep}")
+    c(run.checkpoint.every_steps >= 0, "checkpoint.every_steps", f"must be >= 0, got {run.checkpoint.every_steps}")
+    a = run.algo
+    c(a.sft.aggregation in ("token_mean", "seq_mean", "sum_norm"), "algo.sft.aggregation",
+      f"pass token_mean, seq_mean or sum_norm, got '{a.sft.aggregation}'")
+    c(0 <= a.sft.label_smoothing < 1, "algo.sft.label_smoothing", f"must be in [0, 1), got {a.sft.label_smoothing}")
+    c(a.dpo.kind in ("sigmoid", "ipo", "hinge", "robust", "dpo_norm", "simpo", "orpo", "rpo"), "algo.dpo.kind",
+      f"unknown preference loss '{a.dpo.kind}'; pass sigmoid, ipo, hinge, robust, dpo_norm, simpo, orpo or rpo")
+    c(a.dpo.beta > 0, "algo.dpo.beta", f"must be > 0, got {a.dpo.beta}")
+    try:
+        validate_data_config(run.data)
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(f"{where}{e}") from None
+
+
+def check_mesh_fits(run: RunConfig, n_devices: int) -> tuple[int, int, int, int]:
+    """Resolve the mesh shape for n_devices and check the batch divides over it."""
+    mesh = run.mesh
+    fixed = mesh.fsdp * mesh.tensor * mesh.expert
+    data = mesh.data if mesh.data != -1 else n_devices // fixed
+    _check(data >= 1 and data * fixed == n_devices, "mesh",
+           f"data={mesh.data} fsdp={mesh.fsdp} tensor={mesh.tensor} expert={mesh.expert} does not use exactly "
+           f"the {n_devices} available devices; make the product equal {n_devices} (data=-1 fills)")
+    dp = data * mesh.fsdp
+    micro = run.train.global_batch_size // run.train.grad_accum
+    _check(micro % dp == 0, "train.global_batch_size",
+           f"{run.train.global_batch_size} / grad_accum {run.train.grad_accum} = {micro} rows per micro-batch is not "
+           f"divisible by the data-parallel size data*fsdp = {dp}; pass a multiple of {dp * run.train.grad_accum}")
+    return data, mesh.fsdp, mesh.tensor, mesh.expert

@@ -1,0 +1,168 @@
+"""Config dataclasses of the train loop, optimizer, mesh, logging, checkpoints and algorithms.
+
+Every field is documented where it is declared: meaning, unit, constraint. These are the
+Hydra schemas of the groups `algo/ optim/ mesh/ logging/ checkpoint/` and of the `train`
+node; `model/` and `data/` live in model.py and data.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    """Optimizer steps in a stage (> 0)."""
+    global_batch_size: int = 16
+    """Sequences (packed rows) per optimizer step, over all devices; must divide by the
+    data-parallel size (mesh data * fsdp) times grad_accum."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step, accumulated inside the jitted step (>= 1)."""
+    seq_len: int = 128
+    """Tokens per row after packing/padding."""
+    eval_every: int = 50
+    """Held-out evaluation every N steps and at the end; 0 disables periodic evaluation."""
+    eval_batches: int = 4
+    """Batches of held-out loss per evaluation (0: loss evaluation off)."""
+    eval_generate: int = 64
+    """Held-out prompts answered greedily for exact-match accuracy per evaluation (0: off)."""
+    eval_max_new_tokens: int = 64
+    """Generation budget per held-out prompt, in tokens."""
+    seed: int = 0
+    """Seed of the train RNG (sampling, dropout-free models still carry it for RL)."""
+    nan_check: bool = True
+    """Stop with an error when the loss turns NaN/inf (checked on the host one step behind)."""
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    """Optimizer: adamw | adam | sgd | adafactor | lion."""
+    lr: float = 3e-4
+    """Peak learning rate (> 0)."""
+    schedule: str = "cosine"
+    """constant | linear | cosine: shape after warmup."""
+    warmup_steps: int = 0
+    """Linear warmup from 0 to lr over this many steps (>= 0)."""
+    warmup_ratio: float = 0.0
+    """Alternative to warmup_steps: fraction of the stage's steps (0 <= r < 1); the larger wins."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate as a fraction of lr for linear/cosine decay (0 <= r <= 1)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW); applied to matrices only unless the flags below say otherwise."""
+    decay_norms: bool = False
+    """Also decay normalisation scales."""
+    decay_biases: bool = False
+    """Also decay biases."""
+    decay_embeddings: bool = False
+    """Also decay the token embedding (and untied output head)."""
+    b1: float = 0.9
+    """Adam beta1."""
+    b2: float = 0.95
+    """Adam beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    grad_clip: float = 1.0
+    """Global-norm gradient clipping threshold; 0 disables."""
+
+
+@dataclass
+class MeshConfig:
+    data: int = -1
+    """Data-parallel axis size; -1 takes the devices left over by the other axes."""
+    fsdp: int = 1
+    """Fully-sharded data-parallel axis: params and optimizer state sharded, batch split."""
+    tensor: int = 1
+    """Tensor-parallel axis: heads and MLP hidden split."""
+    expert: int = 1
+    """Expert-parallel axis: routed experts split (MoE only)."""
+    rules: Optional[list[Any]] = None
+    """Logical-axis -> mesh-axis rule table as [[logical, mesh_axis_or_list_or_null], ...];
+    None uses ptrain.parallel.DEFAULT_RULES."""
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = 1
+    """Write train metrics every N steps (JSONL/TensorBoard/console)."""
+    console: bool = True
+    """Rich progress bar with step, loss, tokens/s and ETA."""
+    jsonl: bool = True
+    """metrics.jsonl in the stage folder: every metric of every logged step."""
+    tensorboard: bool = True
+    """TensorBoard event files in the stage folder."""
+    wandb_project: Optional[str] = None
+    """Weights & Biases project; None: off (needs the wandb package)."""
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 50
+    """Save every N steps (and always at the end of a stage); 0 saves only at the end."""
+    keep: int = 2
+    """Checkpoints kept per stage (the newest K, >= 1)."""
+    async_save: bool = True
+    """Save in a background thread while training continues."""
+    resume: bool = True
+    """Resume an unfinished stage from its newest valid checkpoint on re-launch."""
+
+
+@dataclass
+class SFTAlgoConfig:
+    aggregation: str = "token_mean"
+    """Loss aggregation: token_mean | seq_mean | sum_norm (sum over tokens / norm_constant)."""
+    norm_constant: Optional[float] = None
+    """Divisor for aggregation=sum_norm (tokens); None uses train.seq_len."""
+    label_smoothing: float = 0.0
+    """Label smoothing epsilon in [0, 1)."""
+    z_loss: float = 0.0
+    """Weight of the z-loss (log Z)^2 that keeps logits from drifting (PaLM)."""
+
+
+@dataclass
+class DPOAlgoConfig:
+    kind: str = "sigmoid"
+    """Preference loss: sigmoid (DPO) | ipo | hinge | robust | dpo_norm | simpo | orpo | rpo."""
+    beta: float = 0.1
+    """Inverse temperature of the implicit reward (> 0)."""
+    label_smoothing: float = 0.0
+    """Assumed label-noise rate for kind=robust, in [0, 0.5)."""
+    gamma: float = 0.5
+    """SimPO target reward margin (gamma/beta ratio form: margin = gamma)."""
+    nll_weight: float = 1.0
+    """Weight of the chosen NLL term for rpo/orpo."""
+    precompute_reference: bool = False
+    """Compute reference log-probs in one pass over the data before training (saves the
+    reference params' memory) instead of inside every step."""
+
+
+@dataclass
+class AlgoConfig:
+    sft: SFTAlgoConfig = field(default_factory=SFTAlgoConfig)
+    """Settings of SFT stages."""
+    dpo: DPOAlgoConfig = field(default_factory=DPOAlgoConfig)
+    """Settings of DPO-family stages."""
+
+
+STAGE_KINDS = ("sft", "dpo")
+
+
+@dataclass
+class StageConfig:
+    name: str = "sft"
+    """Unique stage name; its files live in <run_dir>/stages/<name>/."""
+    kind: str = "sft"
+    """Which driver runs it: sft | dpo (grpo comes with RL)."""
+    init: str = "previous"
+    """Starting weights: previous (the preceding stage's export; the base model for the
+    first stage) | base (the model group's weights) | a local Hugging Face folder path."""
+    train: dict[str, Any] = field(default_factory=dict)
+    """Overrides of the top-level `train` node for this stage only."""
+    optim: dict[str, Any] = field(default_factory=dict)
+    """Overrides of `optim` for this stage only."""
+    data: dict[str, Any] = field(default_factory=dict)
+    """Overrides of `data` for this stage only."""
+    algo: dict[str, Any] = field(default_factory=dict)
+    """Overrides of `algo` for this stage only."""

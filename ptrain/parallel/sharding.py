@@ -1,0 +1,108 @@
+"""Logical-axis rules -> PartitionSpecs -> NamedShardings for state and batches."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+# Logical axis -> mesh axes, tried in order. Params are sharded over fsdp on their
+# embedding dimension (ZeRO-3 style) and over tensor on heads / MLP hidden; experts over
+# the expert axis. Activations' batch axis spans data and fsdp.
+DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("mlp", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("expert", "expert"),
+    ("layers", None),
+    ("norm", None),
+)
+
+
+def _as_tuple(x) -> tuple:
+    if x is None:
+        return ()
+    return tuple(x) if isinstance(x, (list, tuple)) else (x,)
+
+
+def logical_to_spec(names: Sequence[Optional[str]], shape: Sequence[int], mesh: Mesh,
+                    rules: Sequence[tuple[str, Any]] = DEFAULT_RULES) -> P:
+    """Map one array's logical axis names to a PartitionSpec.
+
+    A mesh axis is used at most once per array, and only where it divides the
+    dimension; otherwise that dimension stays replicated (small models on big meshes
+    still run, just with less sharding).
+    """
+    table = {}
+    for logical, mesh_axes in rules:
+        table.setdefault(logical, _as_tuple(mesh_axes))
+    used: set[str] = set()
+    out = []
+    for name, dim in zip(names, shape):
+        axes = []
+        size = 1
+        for ax in table.get(name, ()) if name else ():
+            n = mesh.shape[ax]
+            if ax in used or n == 1 or dim % (size * n):
+                continue
+            axes.append(ax)
+            size *= n
+        used.update(axes)
+        out.append(tuple(axes) if len(axes) > 1 else (axes[0] if axes else None))
+    return P(*out)
+
+
+def shardings_for(abstract_tree, logical_tree, mesh: Mesh,
+                  rules: Sequence[tuple[str, Any]] = DEFAULT_RULES):
+    """NamedShardings for a pytree of arrays/ShapeDtypeStructs given matching logical names.
+
+    `logical_tree` mirrors `abstract_tree` with a tuple of names (or None) per leaf;
+    leaves it lacks (scalars, optimizer counters) are replicated.
+    """
+
+    def one(x, names):
+        shape = getattr(x, "shape", ())
+        if not names or len(names) != len(shape):
+            return NamedSharding(mesh, P())
+        return NamedSharding(mesh, logical_to_spec(names, shape, mesh, rules))
+
+    return jax.tree.map(one, abstract_tree, logical_tree, is_leaf=lambda n: n is None)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Leading (batch) dimension split over data x fsdp; the rest replicated."""
+    return NamedSharding(mesh, P(("data", "fsdp")))
+
+
+def shardings_following_params(tree, abstract_params, param_shardings, mesh: Mesh):
+    """Shardings for a tree whose array leaves mirror params (optimizer moments, grads).
+
+    A leaf takes the sharding of the parameter whose key path is a suffix of its own
+    path and whose shape matches (Adam's mu/nu); everything else (step counters,
+    factored Adafactor rows) is replicated.
+    """
+    shapes = jax.tree.map(lambda x: tuple(x.shape), abstract_params)
+    by_path = {}
+    flat_s = jax.tree_util.tree_flatten_with_path(param_shardings)[0]
+    flat_shape = jax.tree.leaves(shapes, is_leaf=lambda n: isinstance(n, tuple))
+    for (path, s), shape in zip(flat_s, flat_shape):
+        by_path[tuple(path)] = (s, shape)
+
+    def one(path, x):
+        path = tuple(path)
+        for k in range(len(path)):
+            hit = by_path.get(path[k:])
+            if hit is not None and hit[1] == tuple(getattr(x, "shape", ())):
+                return hit[0]
+        return NamedSharding(mesh, P())
+
+    return jax.tree_util.tree_map_with_path(one, tree)

@@ -1,0 +1,93 @@
+"""TrainState: the whole of a run's mutable state as one small pytree.
+
+Params live as plain nested dicts of arrays (`nnx.to_pure_dict`), so optax, Orbax and
+sharding rules see ordinary pytrees; `ModelDef.bind` turns them back into the NNX module
+inside a jitted function. Non-trainable model state (e.g. the MoE router's aux-loss-free
+bias) is kept apart in `model_state` so the optimizer never touches it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+PyTree = Any
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array
+    """Optimizer steps taken (int32 scalar)."""
+    params: PyTree
+    """Trainable parameters, nested dict of float32 arrays."""
+    opt_state: PyTree
+    """Optimizer state matching params."""
+    rng: jax.Array
+    """PRNG key data (uint32[2]); split inside the step when randomness is needed."""
+    model_state: PyTree = None
+    """Non-trainable model variables (router bias, ...); updated by the step, not the optimizer."""
+    ref_params: PyTree = None
+    """Frozen reference parameters for losses that need them (DPO); None otherwise."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDef:
+    """The static half of a split NNX model: rebuilds the module from pure-dict state."""
+
+    graphdef: Any
+
+    def bind(self, params: PyTree, model_state: PyTree = None) -> nnx.Module:
+        if model_state:
+            return nnx.merge(self.graphdef, params, model_state)
+        return nnx.merge(self.graphdef, params)
+
+
+def split_model(model: nnx.Module) -> tuple[ModelDef, PyTree, PyTree]:
+    """Split a module into (static def, params dict, other-state dict)."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    return ModelDef(graphdef), nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+
+
+def logical_axes(model: nnx.Module) -> tuple[PyTree, PyTree]:
+    """Logical axis names of (params, other state) as pytrees of tuples matching the pure dicts.
+
+    Reads the `out_sharding` metadata the model code attaches to each variable; a
+    variable without it is replicated (all-None axes).
+    """
+
+    def names(state):
+        flat = {}
+        for path, var in nnx.to_flat_state(state):
+            spec = var.get_metadata().get("out_sharding") if hasattr(var, "get_metadata") else None
+            ndim = jnp.ndim(var.get_value() if hasattr(var, "get_value") else var.value)
+            flat[path] = tuple(spec) if spec else (None,) * ndim
+        return _unflatten(flat)
+
+    _, params, rest = nnx.split(model, nnx.Param, ...)
+    return names(params), names(rest)
+
+
+def _unflatten(flat: dict) -> dict:
+    out: dict = {}
+    for path, v in flat.items():
+        node = out
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = v
+    return out
+
+
+def init_train_state(params: PyTree, tx, *, seed: int, model_state: PyTree = None,
+                     ref_params: Optional[PyTree] = None) -> TrainState:
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=tx.init(params),
+        rng=jax.random.key_data(jax.random.key(seed)),
+        model_state=model_state or {},
+        ref_params=ref_params,
+    )
