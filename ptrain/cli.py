@@ -1,0 +1,75 @@
+"""Hydra entry point: compose conf/ + recipes/, validate into a RunConfig, run the pipeline.
+
+Config mistakes (unknown keys, wrong types, impossible values, missing files) end the
+process within seconds with one message that names the key and what to pass, before
+any JAX compute starts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import Any
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from ptrain.config import ConfigError, register_configs, to_run_config
+
+log = logging.getLogger("ptrain")
+
+register_configs()
+
+
+def _run(cfg: DictConfig) -> dict:
+    try:
+        run = to_run_config(cfg)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"ptrain: config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            run.run_dir = HydraConfig.get().runtime.output_dir  # one folder per sweep job
+    except ValueError:  # not under Hydra (tests call _run directly)
+        pass
+    from ptrain.pipeline import run_pipeline  # jax imports only after the config is known good
+
+    return run_pipeline(run)
+
+
+@hydra.main(config_path="pkg://ptrain.conf", config_name="config", version_base="1.3")
+def _hydra_main(cfg: DictConfig) -> Any:
+    return _run(cfg)
+
+
+def main() -> None:
+    _hydra_main()
+
+
+class SweepSummary(Callback):
+    """After a multirun, print one line per job: its overrides and final metrics."""
+
+    def __init__(self) -> None:
+        self.jobs: list[tuple[list[str], Any]] = []
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        try:
+            value = job_return.return_value
+        except Exception as e:  # the job raised: keep the error for the summary
+            value = {"error": f"{type(e).__name__}: {e}"}
+        self.jobs.append((list(job_return.overrides or []), value))
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if not self.jobs:
+            return
+        lines = [f"\nSweep summary ({len(self.jobs)} jobs, folders under {config.hydra.sweep.dir}):"]
+        for i, (overrides, value) in enumerate(self.jobs):
+            shown = value
+            if isinstance(value, dict):
+                shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in value.items()}
+            lines.append(f"  job{i}  {' '.join(overrides)}  ->  {json.dumps(shown, default=str)}")
+        print("\n".join(lines), flush=True)

@@ -1,0 +1,79 @@
+"""Run a recipe's stages in order; hand each stage's export to the next; skip finished ones.
+
+<run_dir>/
+  config.yaml             the resolved RunConfig of the launch
+  data/                   generated datasets (embedded default), shared by the stages
+  base_model/             the embedded tiny model in Hugging Face layout (when no hf_path)
+  stages/<name>/          one folder per stage: checkpoints/, export/, metrics.jsonl, DONE.json
+
+Re-launching the same command (same run_dir) skips stages with DONE.json and resumes the
+unfinished one from its newest readable checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Callable
+
+from omegaconf import OmegaConf
+
+from ptrain.checkpoint import is_done, read_done
+from ptrain.config import RunConfig, stage_config
+
+log = logging.getLogger(__name__)
+
+
+def _driver(kind: str) -> Callable:
+    if kind == "sft":
+        from ptrain.stages.sft import run_sft_stage
+
+        return run_sft_stage
+    if kind == "dpo":
+        from ptrain.stages.dpo import run_dpo_stage
+
+        return run_dpo_stage
+    raise ValueError(f"unknown stage kind '{kind}'")
+
+
+def stage_dir(run: RunConfig, name: str) -> str:
+    return os.path.join(run.run_dir, "stages", name)
+
+
+def initial_weights(run: RunConfig, index: int) -> str | None:
+    """The HF folder a stage starts from; None means the embedded model built from config."""
+    stage = run.stages[index]
+    if stage.init == "base" or (stage.init == "previous" and index == 0):
+        return run.model.hf_path
+    if stage.init == "previous":
+        return os.path.join(stage_dir(run, run.stages[index - 1].name), "export")
+    return stage.init
+
+
+def run_pipeline(run: RunConfig) -> dict:
+    """Run every stage; return the last stage's summary (final metrics), for sweeps."""
+    os.makedirs(run.run_dir, exist_ok=True)
+    OmegaConf.save(OmegaConf.structured(run), os.path.join(run.run_dir, "config.yaml"))
+    from ptrain.parallel import maybe_initialize_distributed
+
+    maybe_initialize_distributed()
+    summary: dict = {}
+    for i, stage in enumerate(run.stages):
+        sdir = stage_dir(run, stage.name)
+        if is_done(sdir):
+            summary = read_done(sdir)
+            print(f"ptrain: stage '{stage.name}' already finished ({sdir}); skipping", flush=True)
+            continue
+        cfg = stage_config(run, stage)
+        init = initial_weights(run, i)
+        if init is not None and not os.path.isfile(os.path.join(init, "config.json")):
+            raise FileNotFoundError(
+                f"stage '{stage.name}' starts from '{init}', which holds no config.json; "
+                f"run the previous stage first, or set stages[{i}].init to a Hugging Face folder")
+        os.makedirs(sdir, exist_ok=True)
+        OmegaConf.save(OmegaConf.structured(cfg), os.path.join(sdir, "config.yaml"))
+        print(f"ptrain: stage {i + 1}/{len(run.stages)} '{stage.name}' ({stage.kind}) from "
+              f"{init or 'the embedded model'} -> {sdir}", flush=True)
+        summary = _driver(stage.kind)(cfg, sdir, init)
+    return summary
