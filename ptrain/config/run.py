@@ -164,8 +164,8 @@ def _validate_values(run: RunConfig, where: str = "") -> None:
     c(run.checkpoint.keep >= 1, "checkpoint.keep", f"must be >= 1, got {run.checkpoint.keep}")
     c(run.checkpoint.every_steps >= 0, "checkpoint.every_steps", f"must be >= 0, got {run.checkpoint.every_steps}")
     a = run.algo
-    c(a.sft.aggregation in ("token_mean", "seq_mean", "sum_norm"), "algo.sft.aggregation",
-      f"pass token_mean, seq_mean or sum_norm, got '{a.sft.aggregation}'")
+    c(a.sft.aggregation in ("token_mean", "sequence_mean", "sum"), "algo.sft.aggregation",
+      f"pass token_mean, sequence_mean or sum, got '{a.sft.aggregation}'")
     c(0 <= a.sft.label_smoothing < 1, "algo.sft.label_smoothing", f"must be in [0, 1), got {a.sft.label_smoothing}")
     c(a.dpo.kind in ("sigmoid", "ipo", "hinge", "robust", "dpo_norm", "simpo", "orpo", "rpo"), "algo.dpo.kind",
       f"unknown preference loss '{a.dpo.kind}'; pass sigmoid, ipo, hinge, robust, dpo_norm, simpo, orpo or rpo")

@@ -112,9 +112,10 @@ class CheckpointConfig:
 @dataclass
 class SFTAlgoConfig:
     aggregation: str = "token_mean"
-    """Loss aggregation: token_mean | seq_mean | sum_norm (sum over tokens / norm_constant)."""
+    """Loss aggregation: token_mean (every target token weighs the same) | sequence_mean
+    (mean over sequences of each one's token mean) | sum (summed token losses / norm_constant)."""
     norm_constant: Optional[float] = None
-    """Divisor for aggregation=sum_norm (tokens); None uses train.seq_len."""
+    """Divisor for aggregation=sum, in tokens; None uses global_batch_size * seq_len."""
     label_smoothing: float = 0.0
     """Label smoothing epsilon in [0, 1)."""
     z_loss: float = 0.0

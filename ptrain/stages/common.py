@@ -1,0 +1,235 @@
+"""Pieces every stage driver shares: the starting model, the sharded train state, the loop.
+
+These are plain functions, not a Trainer: a stage file wires them together in a few
+lines and owns what is particular to its algorithm (data, objective, evaluation).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ptrain.checkpoint import StageCheckpointer, abstract_like
+from ptrain.config import RunConfig
+from ptrain.metrics import MetricsLogger, to_host
+from ptrain.parallel import batch_sharding, make_mesh, replicated, shardings_for
+from ptrain.parallel.sharding import DEFAULT_RULES, shardings_following_params
+from ptrain.train.state import ModelDef, TrainState, init_train_state, logical_axes, split_model
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite; the message names the step and what to try."""
+
+
+def rules_of(run: RunConfig):
+    return [tuple(r) for r in run.mesh.rules] if run.mesh.rules else list(DEFAULT_RULES)
+
+
+def tokenizer_for(run: RunConfig, init_path: Optional[str]):
+    """The stage's tokenizer: data.tokenizer_path, else the starting model's, else the embedded one."""
+    from ptrain.data.tokenizer import get_tokenizer, load_tokenizer
+
+    if run.data.tokenizer_path is None and init_path and os.path.isfile(os.path.join(init_path, "tokenizer.json")):
+        return load_tokenizer(init_path)
+    return get_tokenizer(run.data.tokenizer_path, os.path.join(run.run_dir, "tokenizer"),
+                         vocab_size=run.data.tokenizer_vocab_size)
+
+
+def ensure_base_model(run: RunConfig, tokenizer) -> str:
+    """The embedded tiny model as a Hugging Face folder in <run_dir>/base_model (built once).
+
+    Built from the model config with the tokenizer's vocabulary, saved with the tokenizer
+    so the folder loads in transformers and SGLang like any published checkpoint.
+    """
+    import dataclasses
+
+    from ptrain.models import Decoder, save_hf
+
+    path = os.path.join(run.run_dir, "base_model")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    cfg = run.model
+    if cfg.vocab_size == 0:
+        cfg = dataclasses.replace(cfg, vocab_size=len(tokenizer))
+    if cfg.vocab_size < len(tokenizer):
+        raise ValueError(f"config key 'model.vocab_size': {cfg.vocab_size} is smaller than the tokenizer's "
+                         f"{len(tokenizer)} tokens; pass 0 to take the tokenizer's size")
+    model = Decoder(cfg, rngs=nnx.Rngs(cfg.seed))
+    tmp = path + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_hf(model, tmp, tokenizer=tokenizer)
+    os.replace(tmp, path)
+    return path
+
+
+def load_model(run: RunConfig, path: str, mesh):
+    """Load a Hugging Face folder straight onto the mesh, with the run's compute options."""
+    from ptrain.models import load_hf
+
+    m = run.model
+    return load_hf(path, dtype=m.dtype, mesh=mesh, rules=rules_of(run),
+                   overrides=dict(remat=m.remat, scan_layers=m.scan_layers, moe_implementation=m.moe_implementation,
+                                  router_aux_loss_coef=m.router_aux_loss_coef,
+                                  router_bias_update_rate=m.router_bias_update_rate))
+
+
+@dataclass
+class Placed:
+    """A model split for pure steps, with its train state placed on the mesh."""
+
+    model_def: ModelDef
+    state: TrainState
+    state_shardings: Any
+    mesh: Any
+
+
+def place_state(run: RunConfig, model, tx, mesh, *, with_reference: bool = False) -> Placed:
+    """Split the model, build TrainState with shardings from the logical axis names.
+
+    Optimizer-state shardings follow the params they mirror (from eval_shape of
+    tx.init); scalars are explicitly replicated so nothing lands on one device only.
+    """
+    model_def, params, model_state = split_model(model)
+    param_axes, state_axes = logical_axes(model)
+    rules = rules_of(run)
+    param_sh = shardings_for(params, param_axes, mesh, rules)
+    mstate_sh = shardings_for(model_state, state_axes, mesh, rules)
+    params = jax.device_put(params, param_sh)
+    model_state = jax.device_put(model_state, mstate_sh)
+    abstract_opt = jax.eval_shape(tx.init, params)
+    opt_sh = shardings_following_params(abstract_opt, params, param_sh, mesh)
+    opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
+    rep = replicated(mesh)
+    ref = jax.tree.map(jnp.copy, params) if with_reference else None
+    state = TrainState(
+        step=jax.device_put(jnp.zeros((), jnp.int32), rep),
+        params=params, opt_state=opt_state,
+        rng=jax.device_put(jax.random.key_data(jax.random.key(run.train.seed)), rep),
+        model_state=model_state, ref_params=ref,
+    )
+    shardings = TrainState(step=rep, params=param_sh, opt_state=opt_sh, rng=rep, model_state=mstate_sh,
+                           ref_params=param_sh if with_reference else None)
+    return Placed(model_def, state, shardings, mesh)
+
+
+def jit_step(step_fn, placed: Placed):
+    """jit once, here in the driver: state in/out shardings, batch split over data x fsdp, state donated."""
+    return jax.jit(step_fn, in_shardings=(placed.state_shardings, batch_sharding(placed.mesh)),
+                   out_shardings=(placed.state_shardings, None), donate_argnums=(0,))
+
+
+def restore_or_start(ckpt: StageCheckpointer, placed: Placed, resume: bool):
+    """(start step, state, data-iterator state or None) from the newest readable checkpoint."""
+    if not resume:
+        return 0, placed.state, None
+    abstract = abstract_like(placed.state, placed.state_shardings)
+    got = ckpt.restore_latest(abstract)
+    if got is None:
+        return 0, placed.state, None
+    step, state, data_state, _ = got
+    print(f"ptrain: resumed from checkpoint step {step} in {ckpt.directory}", flush=True)
+    return step, state, data_state
+
+
+def check_finite(step: int, metrics: dict) -> None:
+    loss = metrics.get("loss")
+    if loss is not None and not math.isfinite(loss):
+        raise TrainingDiverged(
+            f"loss is {loss} at step {step} (grad_norm {metrics.get('grad_norm')}); lower optim.lr, "
+            "raise optim.warmup_steps or set optim.grad_clip, then re-launch (it resumes from the last checkpoint)")
+
+
+def train_loop(
+    run: RunConfig,
+    *,
+    state: TrainState,
+    step_fn: Callable,
+    batches: Iterator[dict],
+    data_state: Callable[[], Any],
+    mesh,
+    checkpointer: StageCheckpointer,
+    logger: MetricsLogger,
+    start_step: int,
+    finalize: Callable[[dict], dict],
+    tokens_in: Callable[[dict], int],
+    evaluate: Optional[Callable[[TrainState, int], dict]] = None,
+    meta: Optional[dict] = None,
+) -> tuple[TrainState, dict]:
+    """The thin driver loop: batch -> jitted step -> metrics (one step behind) -> checkpoints/evals.
+
+    Metrics of step t are fetched after step t+1 has been dispatched, so the host never
+    waits on the device just to log; the NaN check therefore also runs one step behind.
+    """
+    total = run.train.steps
+    sharding = batch_sharding(mesh)
+    pending = None  # (step, device metrics, tokens, dispatch time)
+    last = {}
+    t_prev = time.time()
+
+    def drain(p):
+        nonlocal t_prev, last
+        step, dev_metrics, tokens = p
+        host = finalize(to_host(dev_metrics))
+        now = time.time()
+        dt = max(now - t_prev, 1e-9)
+        t_prev = now
+        host.update(step_time_s=dt, tokens_per_s=tokens / dt, tokens=tokens)
+        if run.train.nan_check:
+            check_finite(step, host)
+        if step % run.logging.log_every == 0 or step == total:
+            logger.log(step, host)
+        last = host
+
+    for step in range(start_step + 1, total + 1):
+        batch = next(batches)
+        tokens = tokens_in(batch)
+        state, metrics = step_fn(state, jax.device_put(batch, sharding))
+        if pending is not None:
+            drain(pending)
+        pending = (step, metrics, tokens)
+        if checkpointer.should_save(step, total):
+            drain(pending)
+            pending = None
+            checkpointer.save(step, state, data_state(), dict(meta or {}, step=step, metrics=last))
+        if evaluate is not None and (step == total or (run.train.eval_every and step % run.train.eval_every == 0)):
+            if pending is not None:
+                drain(pending)
+                pending = None
+            eval_metrics = evaluate(state, step)
+            logger.log(step, eval_metrics, prefix="eval")
+            last.update({f"eval/{k}": v for k, v in eval_metrics.items()})
+            t_prev = time.time()  # evaluation time is not training throughput
+    if pending is not None:
+        drain(pending)
+    checkpointer.wait()
+    return state, last
+
+
+def export_stage(placed: Placed, state: TrainState, stage_dir: str, tokenizer) -> str:
+    """Write the stage's final weights as a Hugging Face folder (atomically)."""
+    from ptrain.models import save_hf
+
+    model = placed.model_def.bind(state.params, state.model_state)
+    out = os.path.join(stage_dir, "export")
+    tmp = out + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_hf(model, tmp, tokenizer=tokenizer)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def stage_mesh(run: RunConfig):
+    from ptrain.config.run import check_mesh_fits
+
+    check_mesh_fits(run, jax.device_count())
+    return make_mesh(run.mesh)

@@ -1,0 +1,77 @@
+"""Objectives of the train steps: model forward + loss, as pure functions of params and a batch.
+
+Each objective follows `ptrain.train.step.Objective`: it returns this micro-batch's share
+of the full-batch loss (its own mean times its weight over the global denominator) and
+metrics that add up over micro-batches.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ptrain.config.train import SFTAlgoConfig
+from ptrain.losses import sft_loss
+from ptrain.losses.reduce import sequence_sums
+from ptrain.train.state import ModelDef, TrainState
+
+
+def sft_denominator(cfg: SFTAlgoConfig, norm_constant: float):
+    """Global-batch denominator of the SFT loss for the chosen aggregation."""
+
+    def denominator(batch: dict) -> jax.Array:
+        mask = batch["loss_mask"].astype(jnp.float32)
+        if cfg.aggregation == "token_mean":
+            return jnp.sum(mask)
+        if cfg.aggregation == "sequence_mean":
+            _, counts = sequence_sums(mask, mask, batch["segment_ids"])
+            return jnp.sum((counts > 0).astype(jnp.float32))
+        return jnp.asarray(norm_constant, jnp.float32)
+
+    return denominator
+
+
+def forward(model_def: ModelDef, params, model_state, batch: dict):
+    """Logits [B, L, V] (float32) and router aux of the batch contract's inputs."""
+    model = model_def.bind(params, model_state)
+    return model(batch["input_ids"], batch["positions"], batch["segment_ids"], return_aux=True)
+
+
+def make_sft_objective(model_def: ModelDef, cfg: SFTAlgoConfig, *, aux_loss_coef: float = 0.0):
+    """SFT cross-entropy (+ MoE load-balancing loss) as an accumulation-exact objective."""
+
+    def objective(params, state: TrainState, batch: dict, denom: jax.Array):
+        logits, model_aux = forward(model_def, params, state.model_state, batch)
+        kwargs = dict(label_smoothing=cfg.label_smoothing, z_loss=cfg.z_loss, segment_ids_BxL=batch["segment_ids"])
+        if cfg.aggregation == "sum":
+            loss, aux = sft_loss(logits, batch["target_ids"], batch["loss_mask"], aggregation="sum",
+                                 norm_constant=denom, **kwargs)
+        else:
+            loss, aux = sft_loss(logits, batch["target_ids"], batch["loss_mask"], aggregation=cfg.aggregation, **kwargs)
+            weight = aux.token_count if cfg.aggregation == "token_mean" else aux.seq_count
+            loss = loss * weight / denom
+        metrics = {"nll_sum": aux.nll_sum, "loss_tokens": aux.token_count, "correct_sum": aux.correct_count}
+        if model_aux.expert_load.size:
+            # Summed over micro-batches like everything else; finalize_metrics averages them.
+            metrics["moe_lb_loss"] = model_aux.lb_loss
+            metrics["expert_load"] = model_aux.expert_load
+            loss = loss + aux_loss_coef * model_aux.lb_loss * (aux.token_count / denom)
+        return loss, metrics
+
+    return objective
+
+
+def finalize_metrics(m: dict, grad_accum: int) -> dict:
+    """Host side, after the step: summed micro-batch metrics -> per-token / per-step means."""
+    out = {k: v for k, v in m.items() if k not in ("nll_sum", "correct_sum", "moe_lb_loss", "expert_load")}
+    tokens = max(float(m.get("loss_tokens", 0.0)), 1.0)
+    if "nll_sum" in m:
+        out["nll"] = float(m["nll_sum"]) / tokens
+    if "correct_sum" in m:
+        out["token_accuracy"] = float(m["correct_sum"]) / tokens
+    if "moe_lb_loss" in m:
+        out["moe_lb_loss"] = float(m["moe_lb_loss"]) / grad_accum
+        load = jnp.asarray(m["expert_load"]) / grad_accum  # [n_moe_layers, E]
+        out["expert_load_max"] = float(jnp.max(load)) * load.shape[-1]  # 1.0 = perfectly balanced
+        out["expert_load_min"] = float(jnp.min(load)) * load.shape[-1]
+    return out

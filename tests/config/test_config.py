@@ -1,0 +1,105 @@
+"""Config composition and validation: good configs resolve; every mistake names its key."""
+
+import os
+
+import pytest
+from hydra import compose, initialize_config_module
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from ptrain.config import ConfigError, RunConfig, register_configs, stage_config, to_run_config
+
+register_configs()
+
+
+def composed(*overrides):
+    with initialize_config_module(config_module="ptrain.conf", version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def test_defaults_compose_into_typed_config():
+    run = to_run_config(composed())
+    assert isinstance(run, RunConfig)
+    assert run.model.d_model == 256 and run.data.source == "generated"
+    assert [s.kind for s in run.stages] == ["sft"]
+
+
+def test_overrides_reach_the_typed_config():
+    run = to_run_config(composed("optim.lr=1e-3", "train.steps=7", "model=tiny_moe"))
+    assert run.optim.lr == 1e-3 and run.train.steps == 7 and run.model.n_experts == 8
+
+
+def test_stage_overrides_merge_over_top_level_nodes():
+    run = to_run_config(composed("train.steps=7"))
+    run.stages[0].optim = {"lr": 5e-5}
+    run.stages[0].train = {"steps": 3}
+    cfg = stage_config(run, run.stages[0])
+    assert cfg.optim.lr == 5e-5 and cfg.train.steps == 3 and cfg.optim.schedule == run.optim.schedule
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["optim.lr=-1"], "optim.lr"),
+    (["optim.schedule=triangle"], "optim.schedule"),
+    (["train.steps=0"], "train.steps"),
+    (["train.global_batch_size=10", "train.grad_accum=4"], "train.global_batch_size"),
+    (["model.n_kv_heads=3"], "model.n_kv_heads"),
+    (["model.dtype=float16"], "model.dtype"),
+    (["algo.sft.aggregation=median"], "algo.sft.aggregation"),
+    (["algo.dpo.beta=0"], "algo.dpo.beta"),
+    (["data.source=jsonl"], "data.train_path"),
+    (["data.source=jsonl", "data.train_path=/nonexistent/train.jsonl"], "data.train_path"),
+    (["data.bad_rows=ignore"], "data.bad_rows"),
+    (["stages=[{name: a, kind: ppo}]"], "stages[0].kind"),
+    (["stages=[{name: a, kind: sft}, {name: a, kind: sft}]"], "stages"),
+    (["stages=[{name: a, kind: sft, init: /no/such/folder}]"], "stages[0].init"),
+    (["model.hf_path=/no/such/model"], "model.hf_path"),
+    (["checkpoint.keep=0"], "checkpoint.keep"),
+])
+def test_impossible_values_name_their_key(overrides, key):
+    with pytest.raises((ConfigError, FileNotFoundError)) as e:
+        to_run_config(composed(*overrides))
+    assert key in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["optim.lr=fast"], "lr"),
+    (["train.steps=many"], "steps"),
+])
+def test_wrong_types_name_their_key(overrides, key):
+    with pytest.raises((ConfigError, ConfigCompositionException)) as e:
+        to_run_config(composed(*overrides))
+    assert key in str(e.value) or key in str(e.value.__cause__), str(e.value)
+
+
+def test_unknown_key_is_rejected_at_composition():
+    with pytest.raises(ConfigCompositionException) as e:
+        composed("optim.learning_rate=1e-3")
+    assert "learning_rate" in str(e.value) + str(e.value.__cause__)
+
+
+def test_unknown_key_in_a_stage_override_names_the_stage():
+    run = to_run_config(composed())
+    run.stages[0].optim = {"learning_rate": 1e-3}
+    with pytest.raises(ConfigError) as e:
+        stage_config(run, run.stages[0])
+    assert "learning_rate" in str(e.value) and "stage 'sft'" in str(e.value)
+
+
+def test_mesh_must_fit_the_devices_and_the_batch():
+    from ptrain.config.run import check_mesh_fits
+
+    run = to_run_config(composed("mesh.fsdp=2", "mesh.tensor=2", "mesh.data=2", "train.global_batch_size=10"))
+    with pytest.raises(ConfigError, match="train.global_batch_size"):
+        check_mesh_fits(run, 8)
+    with pytest.raises(ConfigError, match="mesh"):
+        check_mesh_fits(run, 4)
+    run.train.global_batch_size = 16
+    assert check_mesh_fits(run, 8) == (2, 2, 2, 1)
+
+
+def test_every_recipe_composes_and_validates():
+    recipes = sorted(f[:-5] for f in os.listdir(os.path.join(os.path.dirname(__file__), "..", "..", "recipes"))
+                     if f.endswith(".yaml"))
+    for name in recipes:
+        run = to_run_config(composed(f"recipe={name}"))
+        assert run.stages, name
