@@ -150,7 +150,7 @@ def _chunk_dz(z, start, targets, m_safe, log_s, entropy, g: VocabStats, vocab: i
   size = z.shape[-1]
   d = z - m_safe[..., None]
   p = jnp.exp(d - log_s[..., None])
-  onehot = (targets[..., None] - start) == jnp.arange(size)
+  onehot = (targets[..., None] - start) == jax.lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1)
   # lse - H - z = log_s - H - (z - m): written in shifted form for the same precision reason.
   dz = (g.logp[..., None] * (onehot.astype(jnp.float32) - p)
         + g.entropy[..., None] * jnp.where(p > 0, p * ((log_s - entropy)[..., None] - d), 0.0)
