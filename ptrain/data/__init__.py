@@ -1,0 +1,43 @@
+"""Data: Grain pipelines from local files or the embedded task to train-step batches.
+
+Modules (the file list is the architecture):
+  tokenizer   the embedded byte-level BPE tokenizer with a ChatML template; loading local ones
+  tasks       the embedded arithmetic task: worked solutions, verifier, preference pairs
+  sources     random-access JSONL / Parquet / in-memory row sources (thread- and fork-safe)
+  chat        row validation, chat-template tokenisation, assistant-only loss masks
+  report      bad-row counting and the skip / fail policy
+  pipeline    SFT iterators (shuffle, epochs, packing, exact resume), eval passes, eval prompts
+  preference  preference pairs for the DPO family
+"""
+
+from ptrain.data.chat import TokenizedRows, tokenize_conversation, tokenize_sft_rows
+from ptrain.data.pipeline import (
+    CONTRACT_KEYS,
+    DataIterator,
+    EvalPrompt,
+    batch_prompts,
+    clear_cache,
+    make_eval_prompts,
+    make_sft_dataset,
+    make_sft_iterator,
+    open_split,
+    pack_examples,
+    sft_examples,
+    shifted_examples,
+    unpacked_batch,
+    write_generated,
+)
+from ptrain.data.preference import make_preference_iterator, make_preference_pass, preference_examples
+from ptrain.data.report import BadRowError, BadRowReport
+from ptrain.data.sources import JsonlSource, ListSource, ParquetSource, open_source
+from ptrain.data.tasks import check_answer, extract_answer
+from ptrain.data.tokenizer import build_tokenizer, get_tokenizer, load_tokenizer
+
+__all__ = [
+    "BadRowError", "BadRowReport", "CONTRACT_KEYS", "DataIterator", "EvalPrompt", "JsonlSource", "ListSource",
+    "ParquetSource", "TokenizedRows", "batch_prompts", "build_tokenizer", "check_answer", "clear_cache",
+    "extract_answer", "get_tokenizer", "load_tokenizer", "make_eval_prompts", "make_preference_iterator",
+    "make_preference_pass", "make_sft_dataset", "make_sft_iterator", "open_source", "open_split", "pack_examples",
+    "preference_examples", "sft_examples", "shifted_examples", "tokenize_conversation", "tokenize_sft_rows",
+    "unpacked_batch", "write_generated",
+]

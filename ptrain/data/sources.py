@@ -1,0 +1,139 @@
+"""Random-access row sources over local files, usable as Grain `MapDataset.source(...)`.
+
+Grain reads sources from a thread pool, and worker processes pickle them, so:
+- `JsonlSource` indexes line offsets once and reads each row with `os.pread` (no shared
+  file position: a shared handle gave interleaved reads and JSONDecodeError under
+  threads); it reopens its descriptor after unpickling.
+- `ParquetSource` holds an immutable pyarrow Table (safe to read from many threads) and
+  converts one row at a time to Python objects.
+
+Rows come back as Python dicts. A row that cannot be decoded raises `RowDecodeError`,
+which the tokenisation pass turns into a counted bad row.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Sequence
+
+
+class RowDecodeError(ValueError):
+    """A row that is not valid JSON (or not a JSON object)."""
+
+
+class JsonlSource:
+    """Rows of a JSONL file. Blank lines are not rows; `line_number(i)` maps back (1-based)."""
+
+    def __init__(self, path: str):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"JSONL file '{path}' does not exist; pass the path of a local .jsonl file")
+        self.path = path
+        offsets, lengths, lines = [], [], []
+        pos = 0
+        with open(path, "rb") as f:
+            for line_no, raw in enumerate(f, start=1):
+                if raw.strip():
+                    offsets.append(pos)
+                    lengths.append(len(raw))
+                    lines.append(line_no)
+                pos += len(raw)
+        self._offsets, self._lengths, self._lines = offsets, lengths, lines
+        self._fd = os.open(path, os.O_RDONLY)
+
+    def __len__(self) -> int:
+        return len(self._offsets)
+
+    def line_number(self, index: int) -> int:
+        return self._lines[index]
+
+    def where(self, index: int) -> str:
+        return f"{os.path.basename(self.path)} row {index} (line {self._lines[index]})"
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        raw = os.pread(self._fd, self._lengths[index], self._offsets[index])
+        try:
+            row = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise RowDecodeError(f"invalid JSON: {e}") from None
+        if not isinstance(row, dict):
+            raise RowDecodeError(f"a row must be a JSON object, got {type(row).__name__}")
+        return row
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        del state["_fd"]
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._fd = os.open(self.path, os.O_RDONLY)
+
+    def __del__(self):
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def __repr__(self) -> str:
+        return f"JsonlSource({self.path!r}, rows={len(self)})"
+
+
+class ParquetSource:
+    """Rows of a Parquet file (nested columns such as `messages` come back as lists of dicts)."""
+
+    def __init__(self, path: str):
+        import pyarrow.parquet as pq
+
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"Parquet file '{path}' does not exist; pass the path of a local .parquet file")
+        self.path = path
+        self._table = pq.read_table(path)
+
+    def __len__(self) -> int:
+        return self._table.num_rows
+
+    def where(self, index: int) -> str:
+        return f"{os.path.basename(self.path)} row {index}"
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"row {index} out of range for {len(self)} rows")
+        return self._table.slice(index, 1).to_pylist()[0]
+
+    def __repr__(self) -> str:
+        return f"ParquetSource({self.path!r}, rows={len(self)})"
+
+
+class ListSource:
+    """Rows held in memory (the generated task before it is written out, or tests)."""
+
+    def __init__(self, rows: Sequence[dict[str, Any]], name: str = "rows"):
+        self._rows = list(rows)
+        self.name = name
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def where(self, index: int) -> str:
+        return f"{self.name} row {index}"
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self._rows[index]
+
+    def __repr__(self) -> str:
+        return f"ListSource({self.name!r}, rows={len(self)})"
+
+
+def open_source(path: str, kind: str | None = None):
+    """JsonlSource or ParquetSource for path; kind 'jsonl' | 'parquet', or None to go by the extension."""
+    if kind is None:
+        ext = os.path.splitext(path)[1].lower()
+        kind = "parquet" if ext in (".parquet", ".pq") else "jsonl"
+    if kind == "jsonl":
+        return JsonlSource(path)
+    if kind == "parquet":
+        return ParquetSource(path)
+    raise ValueError(f"unknown source kind '{kind}'; pass jsonl or parquet")
