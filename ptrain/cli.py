@@ -26,6 +26,9 @@ register_configs()
 
 
 def _run(cfg: DictConfig) -> dict:
+    # Orbax and Grain log every save and read at INFO through absl; keep the console for our lines.
+    for name in ("absl", "orbax", "jax._src.xla_bridge"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     try:
         run = to_run_config(cfg)
     except (ConfigError, FileNotFoundError) as e:

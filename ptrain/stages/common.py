@@ -76,10 +76,9 @@ def load_model(run: RunConfig, path: str, mesh):
     from ptrain.models import load_hf
 
     m = run.model
-    return load_hf(path, dtype=m.dtype, mesh=mesh, rules=rules_of(run),
-                   overrides=dict(remat=m.remat, scan_layers=m.scan_layers, moe_implementation=m.moe_implementation,
-                                  router_aux_loss_coef=m.router_aux_loss_coef,
-                                  router_bias_update_rate=m.router_bias_update_rate))
+    return load_hf(path, dtype=m.dtype, param_dtype=m.param_dtype, mesh=mesh, rules=tuple(rules_of(run)),
+                   remat=m.remat, scan_layers=m.scan_layers, moe_implementation=m.moe_implementation,
+                   router_aux_loss_coef=m.router_aux_loss_coef, router_bias_update_rate=m.router_bias_update_rate)
 
 
 @dataclass

@@ -1,0 +1,106 @@
+"""The SFT stage: data -> jitted step -> metrics, evaluation, checkpoints -> export.
+
+A thin driver: every piece it calls is a pure function or a small helper in
+stages/common.py, data/, train/ and models/.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ptrain.checkpoint import StageCheckpointer, mark_done
+from ptrain.config import RunConfig
+from ptrain.data.pipeline import make_eval_prompts, make_sft_iterator, write_generated
+from ptrain.metrics import MetricsLogger
+from ptrain.stages.common import (
+    ensure_base_model,
+    export_stage,
+    jit_step,
+    load_model,
+    place_state,
+    restore_or_start,
+    stage_mesh,
+    tokenizer_for,
+    train_loop,
+)
+from ptrain.stages.evaluation import exact_match_evaluator, heldout_loss_evaluator
+from ptrain.train.objectives import finalize_metrics, make_sft_objective, sft_denominator
+from ptrain.train.optim import make_optimizer
+from ptrain.train.step import make_train_step
+
+
+def run_sft_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict:
+    """Run (or resume) one SFT stage; returns its summary (final metrics) after export."""
+    t_start = time.time()
+    tokenizer = tokenizer_for(run, init_path)
+    data_cfg = write_generated(run.data, os.path.join(run.run_dir, "data"))
+    t, mesh = run.train, stage_mesh(run)
+    train_iter = make_sft_iterator(data_cfg, tokenizer, batch_size=t.global_batch_size, seq_len=t.seq_len,
+                                   seed=data_cfg.shuffle_seed)
+    print(f"ptrain: {train_iter.n_examples} training examples; {train_iter.report.summary()}", flush=True)
+
+    model = load_model(run, init_path or ensure_base_model(run, tokenizer), mesh)
+    tx, lr = make_optimizer(run.optim, t.steps)
+    placed = place_state(run, model, tx, mesh)
+    norm = run.algo.sft.norm_constant or float(t.global_batch_size * t.seq_len)
+    objective = make_sft_objective(placed.model_def, run.algo.sft, aux_loss_coef=run.model.router_aux_loss_coef)
+    step_fn = jit_step(make_train_step(objective, sft_denominator(run.algo.sft, norm), tx, lr,
+                                       grad_accum=t.grad_accum, post_update=router_bias_update(run)), placed)
+
+    ckpt = StageCheckpointer(os.path.join(stage_dir, "checkpoints"), run.checkpoint)
+    start, state, data_state = restore_or_start(ckpt, placed, run.checkpoint.resume)
+    if data_state is not None:
+        train_iter.set_state(data_state)
+
+    evaluators = []
+    if data_cfg.eval_path is not None and t.eval_batches > 0:
+        evaluators.append(heldout_loss_evaluator(run, data_cfg, tokenizer, placed))
+    if data_cfg.eval_path is not None and t.eval_generate > 0:
+        prompts = make_eval_prompts(data_cfg, tokenizer, limit=t.eval_generate)
+        if any(p.task for p in prompts):
+            evaluators.append(exact_match_evaluator(run, prompts, tokenizer, placed))
+
+    def evaluate(state, step):
+        out = {}
+        for ev in evaluators:
+            out.update(ev(state))
+        return out
+
+    logger = MetricsLogger(run.logging, stage_dir, total_steps=t.steps, start_step=start,
+                           name=f"sft {run.stages[0].name}")
+    try:
+        if start == 0 and evaluators:
+            logger.log(0, evaluate(state, 0), prefix="eval")
+        state, last = train_loop(
+            run, state=state, step_fn=step_fn, batches=train_iter, data_state=train_iter.get_state, mesh=mesh,
+            checkpointer=ckpt, logger=logger, start_step=start,
+            finalize=lambda m: finalize_metrics(m, t.grad_accum),
+            tokens_in=lambda b: int(np.sum(b["segment_ids"] > 0)),
+            evaluate=evaluate if evaluators else None,
+            meta={"stage": run.stages[0].name, "kind": "sft"},
+        )
+    finally:
+        ckpt.close()
+        logger.close()
+    export = export_stage(placed, state, stage_dir, tokenizer)
+    summary = {k: v for k, v in last.items() if isinstance(v, float)}
+    summary.update(stage=run.stages[0].name, steps=t.steps, export=export,
+                   bad_rows=train_iter.report.total_bad if hasattr(train_iter.report, "total_bad") else None,
+                   wall_time_s=round(time.time() - t_start, 1))
+    mark_done(stage_dir, summary)
+    return summary
+
+
+def router_bias_update(run: RunConfig):
+    """The aux-loss-free router-bias update (DeepSeek-V3) as a post-update hook, or None."""
+    if not run.model.n_experts or run.model.router_bias_update_rate <= 0:
+        return None
+    from ptrain.models import update_router_bias
+
+    rate = run.model.router_bias_update_rate
+    return lambda model_state, metrics: update_router_bias(model_state, metrics["expert_load"], rate)
