@@ -1,0 +1,118 @@
+"""The real CLI on a tiny config: run, skip finished stages, resume after SIGKILL, sweep, errors."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+TINY = [
+    "recipe=sft_arithmetic", "model.d_model=64", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
+    "model.head_dim=32", "model.d_ff=128", "model.max_seq_len=256", "data.generated.n_train=300",
+    "data.generated.n_eval=16", "train.global_batch_size=8", "train.seq_len=64", "train.eval_batches=1",
+    "train.eval_generate=0", "logging.console=false", "logging.tensorboard=false",
+]
+
+
+def cli(*args, timeout=600, check=True):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    out = subprocess.run([sys.executable, "-m", "ptrain", *args], capture_output=True, text=True, timeout=timeout,
+                         env=env)
+    if check and out.returncode != 0:
+        raise AssertionError(f"ptrain {' '.join(args)} failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    return out
+
+
+def train_losses(stage_dir):
+    losses = {}
+    with open(os.path.join(stage_dir, "metrics.jsonl")) as f:
+        for line in f:
+            rec = json.loads(line)
+            if "train/loss" in rec:
+                losses[rec["step"]] = rec["train/loss"]
+    return [losses[k] for k in sorted(losses)]
+
+
+@pytest.mark.slow
+def test_run_export_skip_and_kill_resume(tmp_path):
+    """One uninterrupted run; one killed with SIGKILL mid-stage and re-launched: same losses."""
+    steps = ["train.steps=8", "checkpoint.every_steps=2", "train.eval_every=0"]
+    ref_dir = tmp_path / "ref"
+    cli(*TINY, *steps, f"run_dir={ref_dir}")
+    stage = ref_dir / "stages" / "sft"
+    assert (stage / "DONE.json").is_file() and (stage / "export" / "config.json").is_file()
+    assert (ref_dir / "data" / "train.jsonl").is_file()  # the generated data are there to read
+    ref = train_losses(stage)
+    assert len(ref) == 8 and ref[-1] < ref[0]
+
+    # the export loads back as a model
+    from ptrain.models import load_hf
+
+    assert load_hf(str(stage / "export")).cfg.d_model == 64
+
+    # re-launch: the finished stage is skipped
+    again = cli(*TINY, *steps, f"run_dir={ref_dir}")
+    assert "already finished" in again.stdout
+
+    # kill at an arbitrary point after the first checkpoint, then re-launch the same command
+    run_dir = tmp_path / "killed"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "ptrain", *TINY, *steps, f"run_dir={run_dir}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    metrics = run_dir / "stages" / "sft" / "metrics.jsonl"
+    deadline = time.time() + 400
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(train_losses(metrics.parent)) >= 5:
+            break
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (run_dir / "stages" / "sft" / "DONE.json").exists(), "the run finished before it could be killed"
+    out = cli(*TINY, *steps, f"run_dir={run_dir}")
+    assert "resumed from checkpoint" in out.stdout
+    resumed = train_losses(run_dir / "stages" / "sft")
+    assert len(resumed) == 8
+    assert resumed == pytest.approx(ref, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_sweep_runs_every_job_in_its_own_folder(tmp_path):
+    out = cli("-m", *TINY, "train.steps=2", "train.eval_every=0", "checkpoint.every_steps=0",
+              f"hydra.sweep.dir={tmp_path}", "optim.lr=1e-3,3e-3")
+    assert "Sweep summary (2 jobs" in out.stdout
+    for job in ("job0", "job1"):
+        assert (tmp_path / job / "stages" / "sft" / "DONE.json").is_file()
+    lrs = {json.loads((tmp_path / j / "stages" / "sft" / "DONE.json").read_text())["lr"] for j in ("job0", "job1")}
+    assert len(lrs) == 2
+
+
+def test_cfg_job_prints_the_resolved_config():
+    out = cli("recipe=sft_arithmetic", "optim.lr=0.0042", "--cfg", "job")
+    assert "lr: 0.0042" in out.stdout and "stages:" in out.stdout
+
+
+def test_help_lists_groups():
+    out = cli("--help")
+    for group in ("model", "data", "optim", "mesh", "recipe"):
+        assert group in out.stdout
+
+
+@pytest.mark.parametrize("override, key", [
+    ("optim.lr=-3", "optim.lr"),
+    ("data.source=jsonl", "data.train_path"),
+    ("stages=[{name: x, kind: rlhf}]", "stages[0].kind"),
+])
+def test_bad_values_fail_fast_naming_the_key(override, key, tmp_path):
+    t0 = time.time()
+    out = cli("recipe=sft_arithmetic", override, f"run_dir={tmp_path}", check=False)
+    assert out.returncode == 2
+    assert key in out.stderr, out.stderr
+    assert time.time() - t0 < 60
+
+
+def test_unknown_key_fails_naming_it(tmp_path):
+    out = cli("recipe=sft_arithmetic", "optim.learnig_rate=1", f"run_dir={tmp_path}", check=False)
+    assert out.returncode != 0 and "learnig_rate" in out.stderr
