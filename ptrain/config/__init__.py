@@ -4,6 +4,7 @@
 checkpoint) is backed by one dataclass whose fields are documented where declared.
 """
 
+from ptrain.config.data import DataConfig, GeneratedTaskConfig
 from ptrain.config.model import ModelConfig
 from ptrain.config.train import (
     AlgoConfig,
@@ -20,7 +21,7 @@ from ptrain.config.train import (
 from ptrain.config.run import RunConfig, register_configs, ConfigError, to_run_config, stage_config
 
 __all__ = [
-    "AlgoConfig", "CheckpointConfig", "ConfigError", "DPOAlgoConfig", "LoggingConfig", "MeshConfig",
+    "AlgoConfig", "CheckpointConfig", "ConfigError", "DataConfig", "DPOAlgoConfig", "GeneratedTaskConfig", "LoggingConfig", "MeshConfig",
     "ModelConfig", "OptimConfig", "RunConfig", "SFTAlgoConfig", "STAGE_KINDS", "StageConfig",
     "TrainConfig", "register_configs", "stage_config", "to_run_config",
 ]
