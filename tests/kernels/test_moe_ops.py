@@ -7,69 +7,18 @@ varies the group sizes, which are traced values, so examples reuse the compiled 
 import functools
 import re
 
-import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
+from moe_gmm_checks import CASES, GROUP_SIZES, G, TOL, _operands, check_gmm
 
 from ptrain.kernels import moe
 from ptrain.kernels.moe import reference
 
-M, K, N, G = 40, 16, 24, 5
-TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=6e-2, rtol=6e-2)}
 # "xla" and "ragged_dot" here; the Pallas kernels have their own module (interpret mode).
 IMPLS = ["xla", "ragged_dot"]
-
-# Hand-picked cases: ragged, empty groups, all rows in one group, rows past the groups,
-# sizes that are not multiples of any tile, nothing at all.
-CASES = [
-    [8, 8, 8, 8, 8],
-    [3, 0, 17, 0, 20],
-    [0, 0, 40, 0, 0],
-    [1, 2, 3, 4, 5],
-    [0, 0, 0, 0, 0],
-    [13, 0, 0, 0, 27],
-]
-
-
-@functools.lru_cache(maxsize=None)
-def _compiled(impl, dtype, tiling):
-    """value_and_grad of a fixed cotangent contraction, jitted once per implementation/dtype."""
-
-    def f(fn, lhs, rhs, gs, cot):
-        return jnp.sum(fn(lhs, rhs, gs).astype(jnp.float32) * cot)
-
-    impl_fn = functools.partial(moe.grouped_matmul, implementation=impl, tiling=tiling)
-    ref_fn = reference.grouped_matmul
-    run = jax.jit(lambda *a: (impl_fn(*a[:3]), jax.grad(functools.partial(f, impl_fn), argnums=(0, 1))(*a)))
-    ref = jax.jit(lambda *a: (ref_fn(*a[:3]), jax.grad(functools.partial(f, ref_fn), argnums=(0, 1))(*a)))
-    return run, ref
-
-
-def _operands(dtype, seed=0):
-    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
-    lhs = jax.random.normal(k1, (M, K)).astype(dtype)
-    rhs = (jax.random.normal(k2, (G, K, N)) / 4).astype(dtype)
-    cot = jax.random.normal(k3, (M, N))
-    return lhs, rhs, cot
-
-
-def check_gmm(impl, dtype, sizes, tiling=None):
-    lhs, rhs, cot = _operands(dtype)
-    gs = jnp.asarray(sizes, jnp.int32)
-    run, ref = _compiled(impl, dtype, tiling)
-    (out, (dl, dr)), (out_r, (dl_r, dr_r)) = run(lhs, rhs, gs, cot), ref(lhs, rhs, gs, cot)
-    tol = TOL[dtype]
-    assert out.dtype == dtype and dl.dtype == dtype and dr.dtype == dtype
-    f32 = lambda a: np.asarray(a.astype(jnp.float32))  # noqa: E731
-    np.testing.assert_allclose(f32(out), f32(out_r), **tol, err_msg=f"forward {impl} {sizes}")
-    np.testing.assert_allclose(f32(dl), f32(dl_r), **tol, err_msg=f"d lhs {impl} {sizes}")
-    np.testing.assert_allclose(f32(dr), f32(dr_r), **tol, err_msg=f"d rhs {impl} {sizes}")
-    # Rows past the groups are exactly zero, and so are their input gradients.
-    total = int(sum(sizes))
-    assert not np.any(f32(out)[total:]) and not np.any(f32(dl)[total:])
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -79,14 +28,9 @@ def test_grouped_matmul_cases(impl, dtype, sizes):
     check_gmm(impl, dtype, sizes)
 
 
-# G sorted cut points in [0, M] -> G sizes summing to at most M (empty groups are likely).
-group_sizes_strategy = st.lists(st.integers(0, M), min_size=G, max_size=G).map(
-    lambda cuts: list(np.diff([0] + sorted(cuts))))
-
-
 @pytest.mark.parametrize("tiling", [None, (8, 16, 24)])
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(sizes=group_sizes_strategy)
+@given(sizes=GROUP_SIZES)
 def test_grouped_matmul_xla_hypothesis(sizes, tiling):
     check_gmm("xla", jnp.float32, sizes, tiling)
 
