@@ -105,24 +105,24 @@ def validate_data_config(cfg: DataConfig) -> None:
            f"unknown source '{cfg.source}'; pass one of {', '.join(SOURCE_KINDS)}")
     _check(cfg.format in FORMATS, "format", f"unknown format '{cfg.format}'; pass one of {', '.join(FORMATS)}")
     _check(cfg.bad_rows in BAD_ROW_POLICIES, "bad_rows", f"pass skip or fail, got '{cfg.bad_rows}'")
-    _check(0.0 <= cfg.max_bad_fraction <= 1.0, "max_bad_fraction", f"must be in [0, 1], got {cfg.max_bad_fraction}")
-    _check(cfg.report_rows >= 0, "report_rows", f"must be >= 0, got {cfg.report_rows}")
-    _check(cfg.packing_bins >= 0, "packing_bins", f"must be >= 0 (0: the batch size), got {cfg.packing_bins}")
+    _check(0.0 <= cfg.max_bad_fraction <= 1.0, "max_bad_fraction", f"must be in [0, 1], got {cfg.max_bad_fraction}; pass e.g. 0.1 (1.0 never fails)")
+    _check(cfg.report_rows >= 0, "report_rows", f"must be >= 0, got {cfg.report_rows}; pass e.g. 10")
+    _check(cfg.packing_bins >= 0, "packing_bins", f"must be >= 0, got {cfg.packing_bins}; pass 0 for the batch size or a bin count")
     _check(cfg.num_epochs is None or cfg.num_epochs >= 1, "num_epochs",
-           f"must be >= 1, or null to repeat forever, got {cfg.num_epochs}")
-    _check(cfg.num_workers >= 0, "num_workers", f"must be >= 0 (0: in-process), got {cfg.num_workers}")
+           f"must be >= 1, got {cfg.num_epochs}; pass a positive count, or null to repeat forever")
+    _check(cfg.num_workers >= 0, "num_workers", f"must be >= 0, got {cfg.num_workers}; pass 0 (in-process) or a worker count")
     _check(cfg.tokenizer_vocab_size >= 260, "tokenizer_vocab_size",
-           f"must be >= 260 (256 bytes + 4 special tokens), got {cfg.tokenizer_vocab_size}")
+           f"got {cfg.tokenizer_vocab_size}; pass at least 260 (256 bytes + 4 special tokens), e.g. 512")
     if cfg.tokenizer_path is not None and not os.path.isfile(os.path.join(cfg.tokenizer_path, "tokenizer.json")):
         raise FileNotFoundError(
             f"config key 'data.tokenizer_path': no tokenizer.json in '{cfg.tokenizer_path}'; pass a local "
             "Hugging Face tokenizer folder, or null for the embedded tokenizer (nothing is downloaded)")
     if cfg.source == "generated":
         g = cfg.generated
-        _check(g.n_train >= 1, "generated.n_train", f"must be >= 1, got {g.n_train}")
-        _check(g.n_eval >= 1, "generated.n_eval", f"must be >= 1, got {g.n_eval}")
+        _check(g.n_train >= 1, "generated.n_train", f"must be >= 1, got {g.n_train}; pass a positive row count")
+        _check(g.n_eval >= 1, "generated.n_eval", f"must be >= 1, got {g.n_eval}; pass a positive row count")
         _check(1 <= g.min_digits <= g.max_digits <= 9, "generated.min_digits",
-               f"need 1 <= min_digits <= max_digits <= 9, got min_digits={g.min_digits} max_digits={g.max_digits}")
+               f"got min_digits={g.min_digits} max_digits={g.max_digits}; pass 1 <= min_digits <= max_digits <= 9")
         _check(len(g.ops) > 0 and all(op in TASK_OPS for op in g.ops), "generated.ops",
                f"pass a non-empty list drawn from {list(TASK_OPS)}, got {list(g.ops)}")
         return

@@ -45,6 +45,8 @@ class RowProblem(Exception):
 def as_messages(value: Any, field: str, default_role: str) -> list[dict[str, Any]]:
     """A str (one turn of default_role) or a list of {role, content} dicts, validated."""
     if isinstance(value, str):
+        if default_role == "assistant" and not value.strip():
+            raise RowProblem(R.EMPTY_ASSISTANT, f"'{field}' is an empty string")
         return [{"role": default_role, "content": value}]
     if not isinstance(value, (list, tuple)):
         raise RowProblem(R.WRONG_TYPE, f"'{field}' must be a string or a list of messages, got {type(value).__name__}")

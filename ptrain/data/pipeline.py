@@ -228,6 +228,12 @@ _READ = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)  # examples are
 
 def _finish(it_ds: grain.IterDataset, num_workers: int) -> grain.IterDataset:
     if num_workers > 0:
+        # Grain's worker processes read absl flags; a program that is not an absl app never
+        # parsed them, and the defaults are what we want.
+        from absl import flags
+
+        if not flags.FLAGS.is_parsed():
+            flags.FLAGS.mark_as_parsed()
         it_ds = it_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
     return it_ds
 
