@@ -1,0 +1,33 @@
+"""Command-line tools run on tiny inputs."""
+
+import json
+import subprocess
+import sys
+
+from tools import plot_run
+
+
+def test_plot_run_writes_one_png_per_metric(tmp_path):
+    stage = tmp_path / "stages" / "sft"
+    stage.mkdir(parents=True)
+    recs = [{"step": s, "time": s, "train/loss": 3.0 / s, "train/lr": 0.1} for s in range(1, 6)]
+    recs.append({"step": 5, "time": 6, "eval/loss": 0.9, "eval/exact_match": 0.5})
+    (stage / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n{cut by a kil")
+    assert plot_run.main([str(tmp_path)]) == 0
+    names = sorted(p.name for p in (stage / "plots").iterdir())
+    assert names == ["exact_match.png", "loss.png", "lr.png"]
+    assert (stage / "plots" / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_run_says_what_to_pass_when_there_is_nothing(tmp_path, capsys):
+    assert plot_run.main([str(tmp_path)]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_bench_train_runs_on_a_tiny_shape():
+    out = subprocess.run([sys.executable, "tools/bench_train.py", "--layers", "1", "--d-model", "64", "--heads", "2",
+                          "--kv-heads", "1", "--head-dim", "32", "--d-ff", "128", "--vocab", "128", "--batch", "2",
+                          "--seq", "32", "--steps", "2", "--warmup", "1", "--peak-n", "512"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout)
+    assert res["tokens_per_s"] > 0 and 0 < res["mfu"] < 1.5

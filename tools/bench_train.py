@@ -1,0 +1,111 @@
+"""Training throughput and model FLOP utilisation of ptrain's SFT step on this machine.
+
+    python tools/bench_train.py                 # the issue's shape: 8 layers, d 512, batch 8 x 512, float32
+    python tools/bench_train.py --steps 5 --layers 2 --batch 4 --seq 256   # a quick look
+
+In one process: measures this CPU's matmul peak (a large jitted float32 matmul), then times
+the full train step (forward, backward, AdamW, grad clipping) of a Qwen3-style decoder, and
+prints tokens/s and MFU = tokens/s * training FLOPs per token / peak. Median over the timed
+steps, after one compile step and warm-up steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ptrain.config import ModelConfig, OptimConfig, SFTAlgoConfig
+from ptrain.models import Decoder, flops_per_token
+from ptrain.train.objectives import make_sft_objective, sft_denominator
+from ptrain.train.optim import make_optimizer
+from ptrain.train.state import init_train_state, split_model
+from ptrain.train.step import make_train_step
+
+
+def matmul_peak(n: int = 4096, repeats: int = 5) -> float:
+    """FLOP/s of a jitted float32 n x n matmul (best of `repeats`)."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    f = jax.jit(lambda x, y: x @ y)
+    f(a, b).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def bench(args) -> dict:
+    cfg = ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
+                      n_kv_heads=args.kv_heads, head_dim=args.head_dim, d_ff=args.d_ff, max_seq_len=args.seq,
+                      qk_norm=True, tie_embeddings=False, dtype=args.dtype, remat=args.remat)
+    model_def, params, rest = split_model(Decoder(cfg, rngs=nnx.Rngs(0)))
+    tx, lr = make_optimizer(OptimConfig(lr=1e-4, schedule="constant"), 1000)
+    algo = SFTAlgoConfig()
+    step = jax.jit(make_train_step(make_sft_objective(model_def, algo), sft_denominator(algo, 1.0), tx, lr),
+                   donate_argnums=(0,))
+    state = init_train_state(params, tx, seed=0, model_state=rest)
+    rng = np.random.default_rng(0)
+    B, L = args.batch, args.seq
+    ids = rng.integers(0, args.vocab, (B, L + 1)).astype(np.int32)
+    batch = dict(input_ids=ids[:, :-1], target_ids=ids[:, 1:], loss_mask=np.ones((B, L), np.float32),
+                 segment_ids=np.ones((B, L), np.int32), positions=np.broadcast_to(np.arange(L, dtype=np.int32), (B, L)))
+    batch = jax.device_put(batch)
+    t = time.perf_counter()
+    state, m = step(state, batch)
+    jax.block_until_ready(m)
+    compile_s = time.perf_counter() - t
+    for _ in range(args.warmup):
+        state, m = step(state, batch)
+    jax.block_until_ready(m)
+    times = []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        state, m = step(state, batch)
+        jax.block_until_ready(m)
+        times.append(time.perf_counter() - t)
+    step_s = statistics.median(times)
+    tokens_per_s = B * L / step_s
+    peak = matmul_peak(args.peak_n)
+    fpt = flops_per_token(cfg, L)
+    return {
+        "params_M": round(sum(x.size for x in jax.tree.leaves(params)) / 1e6, 2),
+        "batch": f"{B}x{L}", "dtype": args.dtype, "compile_s": round(compile_s, 1),
+        "step_s_median": round(step_s, 3), "tokens_per_s": round(tokens_per_s, 1),
+        "train_gflop_per_token": round(fpt / 1e9, 4),
+        "achieved_gflops": round(tokens_per_s * fpt / 1e9, 1), "matmul_peak_gflops": round(peak / 1e9, 1),
+        "mfu": round(tokens_per_s * fpt / peak, 3), "final_loss": round(float(m["loss"]), 4),
+        "devices": str(jax.devices()[0].platform),
+    }
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--d-model", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--d-ff", type=int, default=1536)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--remat", default="none")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--peak-n", type=int, default=4096, help="matrix size of the peak-FLOP/s matmul")
+    args = ap.parse_args(argv)
+    print(json.dumps(bench(args), indent=2))
+
+
+if __name__ == "__main__":
+    main()
