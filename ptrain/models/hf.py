@@ -1,0 +1,486 @@
+"""Hugging Face interop: config.json <-> ModelConfig, safetensors <-> Decoder state.
+
+    model = load_hf("/path/to/hf_folder", dtype="bfloat16", mesh=mesh)   # sharded placement
+    save_hf(model, "/path/to/out", tokenizer=tok)                        # transformers/SGLang layout
+
+Families (HF `model_type`): llama, mistral, qwen2, qwen3 (dense); qwen3_moe, mixtral, and
+dots1 — DeepSeek-V3 routing (sigmoid scores, aux-loss-free bias, group-limited top-k,
+shared experts, routed scaling, first k layers dense) on grouped-query attention. The
+`deepseek_v3` type itself needs multi-head latent attention, which this decoder does not
+implement; loading one fails with that reason.
+
+Tensor layout: HF linear weights are [out, in]; ours are [in, ...out] with heads split
+out ([D, H, Dh] for q/k/v, [H, Dh, D] for o), and routed experts stacked [E, D, F]. Each
+tensor maps by a transpose and a reshape, listed once in `tensor_map`.
+
+Safety: only safetensors are read (memory-mapped, tensor by tensor); pickled weights are
+refused; config.json is parsed as JSON and `auto_map` / remote code is never executed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from collections import defaultdict
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ptrain.config.model import ModelConfig
+from ptrain.models.decoder import Decoder
+from ptrain.models.layers import as_dtype
+from ptrain.models.safetensors_io import FLOAT_CODES, open_folder, write_sharded
+
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "dots1": "Dots1ForCausalLM",
+}
+FAMILY_ALIASES = {"deepseek_v3": "dots1"}
+"""ModelConfig.family values that are written under another HF model_type (see module doc)."""
+
+DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
+
+# Tensors in HF folders that carry no weights we need (RoPE tables some exporters keep).
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+def hf_family(cfg: ModelConfig) -> str:
+    """The HF model_type this config is written as."""
+    fam = FAMILY_ALIASES.get(cfg.family, cfg.family)
+    if fam not in ARCHITECTURES:
+        raise ValueError(f"model.family={cfg.family!r} is not supported; pass one of {sorted(ARCHITECTURES)}")
+    return fam
+
+
+# --------------------------------------------------------------------------- config
+
+
+def _rope_from_hf(hf: dict) -> tuple[float, Optional[dict]]:
+    """(theta, scaling dict or None) from either transformers-5 `rope_parameters` or the
+    older `rope_theta` + `rope_scaling` keys."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params:
+        theta = float(params["rope_theta"])
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = float(hf.get("rope_theta", 10000.0))
+        scaling = dict(hf.get("rope_scaling") or {})
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
+    if kind == "default":
+        return theta, None
+    scaling["rope_type"] = kind
+    scaling.pop("type", None)
+    return theta, scaling
+
+
+def config_from_hf(hf: dict, **overrides: Any) -> ModelConfig:
+    """Maps a HF config.json dict onto a ModelConfig; `overrides` set ModelConfig fields
+    (dtype, remat, scan_layers, ...). Unsupported architectures or options raise ValueError
+    naming the key."""
+    mt = hf.get("model_type")
+    if mt == "deepseek_v3":
+        raise ValueError(
+            "model_type 'deepseek_v3' uses multi-head latent attention, which ptrain's decoder does not "
+            "implement; DeepSeek-V3 routing is available with grouped-query attention as model_type 'dots1'"
+        )
+    if mt not in ARCHITECTURES:
+        raise ValueError(f"model_type {mt!r} is not supported; supported: {sorted(ARCHITECTURES)}")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {hf.get('hidden_act')!r} is not supported (SwiGLU with silu only)")
+    if hf.get("mlp_bias"):
+        raise ValueError("mlp_bias=true is not supported")
+    if mt in ("llama", "qwen3", "qwen3_moe", "dots1") and hf.get("attention_bias"):
+        raise ValueError(f"attention_bias=true on {mt} also biases o_proj, which is not supported")
+    layer_types = hf.get("layer_types") or []
+    if hf.get("use_sliding_window") or any(t != "full_attention" for t in layer_types):
+        raise ValueError("per-layer sliding-window attention (use_sliding_window / layer_types) is not supported")
+    D, H = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    theta, scaling = _rope_from_hf(hf)
+    c: dict[str, Any] = dict(
+        family=mt,
+        vocab_size=int(hf["vocab_size"]),
+        d_model=D,
+        n_layers=int(hf["num_hidden_layers"]),
+        n_heads=H,
+        n_kv_heads=int(hf.get("num_key_value_heads") or H),
+        head_dim=int(hf.get("head_dim") or D // H),
+        d_ff=int(hf["intermediate_size"]),
+        max_seq_len=int(hf.get("max_position_embeddings", 2048)),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        qk_norm=mt in ("qwen3", "qwen3_moe", "dots1"),
+        qkv_bias=mt == "qwen2",
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        sliding_window=int(hf["sliding_window"]) if mt == "mistral" and hf.get("sliding_window") else None,
+        init_std=float(hf.get("initializer_range", 0.02)),
+    )
+    if mt == "qwen3_moe":
+        if int(hf.get("decoder_sparse_step", 1)) != 1 or hf.get("mlp_only_layers"):
+            raise ValueError("qwen3_moe with decoder_sparse_step != 1 or mlp_only_layers is not supported")
+        c.update(
+            n_experts=int(hf.get("num_experts") or hf["num_local_experts"]),
+            top_k=int(hf["num_experts_per_tok"]),
+            d_ff_expert=int(hf["moe_intermediate_size"]),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            router="softmax",
+            router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)),
+        )
+    elif mt == "mixtral":
+        c.update(
+            n_experts=int(hf["num_local_experts"]),
+            top_k=int(hf["num_experts_per_tok"]),
+            d_ff_expert=int(hf["intermediate_size"]),
+            norm_topk_prob=True,
+            router="softmax",
+            router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)),
+        )
+    elif mt == "dots1":
+        c.update(
+            n_experts=int(hf["n_routed_experts"]),
+            top_k=int(hf["num_experts_per_tok"]),
+            d_ff_expert=int(hf["moe_intermediate_size"]),
+            n_shared_experts=int(hf.get("n_shared_experts") or 0),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            n_groups=int(hf.get("n_group") or 1),
+            topk_groups=int(hf.get("topk_group") or 1),
+            first_k_dense=int(hf.get("first_k_dense_replace") or 0),
+            router="sigmoid",
+        )
+    unknown = set(overrides) - {f.name for f in dataclasses.fields(ModelConfig)}
+    if unknown:
+        raise ValueError(f"unknown ModelConfig fields in overrides: {sorted(unknown)}")
+    c.update(overrides)
+    return ModelConfig(**c)
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+    """ModelConfig -> HF config.json dict for its family (transformers 4.x and 5.x keys)."""
+    fam = hf_family(cfg)
+    hf: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[fam]],
+        "model_type": fam,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.d_ff_expert if fam == "mixtral" else cfg.d_ff,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": dict(cfg.rope_scaling) if cfg.rope_scaling else None,
+        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default", **(cfg.rope_scaling or {})},
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.init_std,
+        "attention_dropout": 0.0,
+        "use_cache": True,
+        "torch_dtype": "float32",
+    }
+    want_qk_norm = fam in ("qwen3", "qwen3_moe", "dots1")
+    if cfg.qk_norm != want_qk_norm:
+        raise ValueError(f"model.qk_norm={cfg.qk_norm} cannot be written as {fam} (which has qk_norm={want_qk_norm})")
+    if cfg.qkv_bias != (fam == "qwen2"):
+        raise ValueError(f"model.qkv_bias={cfg.qkv_bias} cannot be written as {fam}; only qwen2 has q/k/v bias")
+    if cfg.sliding_window is not None and fam != "mistral":
+        raise ValueError(f"model.sliding_window is only written for mistral, not {fam}")
+    if fam == "mistral":
+        hf["sliding_window"] = cfg.sliding_window
+    if fam in ("qwen2", "qwen3", "qwen3_moe"):
+        hf.update(use_sliding_window=False, sliding_window=None)
+    if fam in ("llama", "qwen3", "qwen3_moe", "dots1"):
+        hf.update(attention_bias=False)
+    if fam in ("llama",):
+        hf.update(mlp_bias=False)
+    moe = fam in ("qwen3_moe", "mixtral", "dots1")
+    if moe != cfg.is_moe:
+        raise ValueError(f"family {fam} {'needs' if moe else 'cannot have'} experts (model.n_experts={cfg.n_experts})")
+    if fam == "qwen3_moe":
+        if cfg.router != "softmax" or cfg.n_shared_experts or cfg.first_k_dense or cfg.n_groups != 1:
+            raise ValueError("qwen3_moe takes softmax routing without shared experts, dense layers or groups")
+        hf.update(num_experts=cfg.n_experts, num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k,
+                  moe_intermediate_size=cfg.d_ff_expert, norm_topk_prob=cfg.norm_topk_prob,
+                  decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=cfg.router_aux_loss_coef)
+    elif fam == "mixtral":
+        if cfg.router != "softmax" or not cfg.norm_topk_prob or cfg.n_shared_experts or cfg.first_k_dense:
+            raise ValueError("mixtral takes softmax routing with norm_topk_prob and no shared experts or dense layers")
+        hf.update(num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k,
+                  router_aux_loss_coef=cfg.router_aux_loss_coef, router_jitter_noise=0.0)
+    elif fam == "dots1":
+        if cfg.router != "sigmoid":
+            raise ValueError("dots1 / deepseek_v3 routing is sigmoid; set model.router=sigmoid")
+        hf.update(n_routed_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k,
+                  moe_intermediate_size=cfg.d_ff_expert, n_shared_experts=cfg.n_shared_experts,
+                  norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling_factor,
+                  n_group=cfg.n_groups, topk_group=cfg.topk_groups, first_k_dense_replace=cfg.first_k_dense,
+                  layer_types=["full_attention"] * cfg.n_layers, sliding_window=None)
+    return hf
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMapping:
+    """One HF tensor <-> one slice of one of our arrays.
+
+    path: key path into the model state; index: leading indices of that array (stacked
+    layer and/or expert); hf_shape: shape in the HF file; transpose: HF [out, in] vs our
+    [in, ...out] (then reshaped to the slice shape).
+    """
+
+    hf_name: str
+    path: tuple
+    index: tuple
+    hf_shape: tuple
+    transpose: bool
+
+
+def tensor_map(cfg: ModelConfig) -> list[TensorMapping]:
+    """Every tensor of the HF checkpoint for `cfg`, in file order."""
+    fam = hf_family(cfg)
+    D, H, K, Dh, V = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.vocab_size
+    out: list[TensorMapping] = []
+
+    def add(name, path, index, shape, transpose):
+        out.append(TensorMapping(name, tuple(path), tuple(index), tuple(shape), transpose))
+
+    add("model.embed_tokens.weight", ("embed",), (), (V, D), False)
+    n_dense = cfg.first_k_dense if cfg.is_moe else cfg.n_layers
+    for i in range(cfg.n_layers):
+        moe = i >= n_dense
+        group, j = ("moe_blocks", i - n_dense) if moe else ("dense_blocks", i)
+        base, idx = ((group,), (j,)) if cfg.scan_layers else ((group, j), ())
+        p = f"model.layers.{i}."
+        add(p + "input_layernorm.weight", base + ("attn_norm", "scale"), idx, (D,), False)
+        add(p + "post_attention_layernorm.weight", base + ("mlp_norm", "scale"), idx, (D,), False)
+        for proj, n in (("q", H), ("k", K), ("v", K)):
+            add(p + f"self_attn.{proj}_proj.weight", base + ("attn", proj), idx, (n * Dh, D), True)
+            if cfg.qkv_bias:
+                add(p + f"self_attn.{proj}_proj.bias", base + ("attn", f"{proj}_bias"), idx, (n * Dh,), False)
+        add(p + "self_attn.o_proj.weight", base + ("attn", "o"), idx, (D, H * Dh), True)
+        if cfg.qk_norm:
+            add(p + "self_attn.q_norm.weight", base + ("attn", "q_norm", "scale"), idx, (Dh,), False)
+            add(p + "self_attn.k_norm.weight", base + ("attn", "k_norm", "scale"), idx, (Dh,), False)
+        if not moe:
+            F = cfg.d_ff
+            for proj, shape in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
+                add(p + f"mlp.{proj}_proj.weight", base + ("mlp", proj), idx, shape, True)
+            continue
+        F, E = cfg.d_ff_expert, cfg.n_experts
+        m = p + ("block_sparse_moe." if fam == "mixtral" else "mlp.")
+        add(m + "gate.weight", base + ("mlp", "router"), idx, (E, D), True)
+        if cfg.router == "sigmoid":
+            add(m + "gate.e_score_correction_bias", base + ("mlp", "bias"), idx, (E,), False)
+        names = ("w1", "w3", "w2") if fam == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+        for e in range(E):
+            for hf_proj, ours, shape in zip(names, ("w_gate", "w_up", "w_down"), ((F, D), (F, D), (D, F))):
+                add(m + f"experts.{e}.{hf_proj}.weight", base + ("mlp", ours), idx + (e,), shape, True)
+        if cfg.n_shared_experts:
+            Fs = F * cfg.n_shared_experts
+            for proj, shape in (("gate", (Fs, D)), ("up", (Fs, D)), ("down", (D, Fs))):
+                add(m + f"shared_experts.{proj}_proj.weight", base + ("mlp", "shared", proj), idx, shape, True)
+    add("model.norm.weight", ("final_norm", "scale"), (), (D,), False)
+    if not cfg.tie_embeddings:
+        add("lm_head.weight", ("lm_head",), (), (V, D), True)
+    return out
+
+
+def _to_ours(hf_arr: np.ndarray, m: TensorMapping, slice_shape: tuple) -> np.ndarray:
+    a = hf_arr.T if m.transpose else hf_arr
+    return a.reshape(slice_shape)
+
+
+def _to_hf(ours: np.ndarray, m: TensorMapping) -> np.ndarray:
+    if m.transpose:
+        return ours.reshape(m.hf_shape[::-1]).T
+    return ours.reshape(m.hf_shape)
+
+
+def _flat_state(model_or_state) -> dict[tuple, Any]:
+    state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state)
+    return {tuple(k): v for k, v in nnx.to_flat_state(state)}
+
+
+# --------------------------------------------------------------------------- load
+
+
+def _check_tensor(name: str, files, m: TensorMapping) -> None:
+    code, shape = files[name].info(name)
+    if shape != m.hf_shape:
+        raise ValueError(f"tensor {name!r}: shape {list(shape)} in the checkpoint, expected {list(m.hf_shape)}")
+    if code not in FLOAT_CODES:
+        raise ValueError(
+            f"tensor {name!r}: dtype {code} (expected a float type: F32/BF16/F16); quantised checkpoints "
+            "must be dequantised first"
+        )
+
+
+def load_hf(
+    path: str,
+    dtype: str = "float32",
+    *,
+    param_dtype: str = "float32",
+    mesh: Optional[jax.sharding.Mesh] = None,
+    rules: Optional[tuple] = None,
+    **overrides: Any,
+) -> Decoder:
+    """Loads a local Hugging Face folder into a Decoder.
+
+    dtype: compute dtype; param_dtype: stored weight dtype (float32 master weights by
+    default, whatever the file holds). With `mesh`, each parameter is created directly as
+    a sharded array (logical axes -> mesh axes by `rules`, default
+    ptrain.parallel.sharding.DEFAULT_RULES): every device's shard is read from the
+    memory-mapped safetensors, so no host holds the whole model. Other ModelConfig fields
+    (remat, scan_layers, moe_implementation, ...) pass through `overrides`.
+    """
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"{path}: no config.json; pass a Hugging Face model folder")
+    with open(cfg_path) as f:
+        hf = json.load(f)
+    cfg = config_from_hf(hf, dtype=dtype, param_dtype=param_dtype, **overrides)
+    files = open_folder(path)
+    mappings = tensor_map(cfg)
+    expected = {m.hf_name for m in mappings}
+    missing = [m for m in mappings if m.hf_name not in files]
+    if missing:
+        listed = ", ".join(f"{m.hf_name} {list(m.hf_shape)}" for m in missing[:5])
+        raise ValueError(f"{path}: {len(missing)} tensors missing from the checkpoint, e.g. {listed}")
+    extra = sorted(n for n in files if n not in expected and not _IGNORED.match(n))
+    if extra:
+        raise ValueError(
+            f"{path}: tensors the {cfg.family} config does not explain (unsupported option?): {extra[:5]}"
+        )
+    for m in mappings:
+        _check_tensor(m.hf_name, files, m)
+
+    abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    flat = _flat_state(state)
+    by_path: dict[tuple, list[TensorMapping]] = defaultdict(list)
+    for m in mappings:
+        if m.path not in flat:
+            raise KeyError(f"internal: tensor map path {m.path} not in the model state")
+        by_path[m.path].append(m)
+    if mesh is not None:
+        from ptrain.parallel.sharding import DEFAULT_RULES, logical_to_spec
+
+    values = {}
+    for path_key, var in flat.items():
+        shape, pdt = tuple(var.shape), var.dtype
+        maps = by_path.get(path_key, [])
+        n_lead = len(maps[0].index) if maps else 0
+        covered = {m.index for m in maps}
+        need = set(np.ndindex(*shape[:n_lead])) if n_lead else {()}
+        if not maps or covered != need:
+            raise ValueError(f"internal: {path_key} is not fully covered by the tensor map")
+        index_of = {m.index: m for m in maps}
+
+        def read(idx: tuple, _index_of=index_of, _shape=shape, _n=n_lead, _dt=pdt) -> np.ndarray:
+            """Reads the block `idx` (a tuple of slices over our array) from the checkpoint."""
+            idx = tuple(idx) + (slice(None),) * (len(_shape) - len(idx))
+            lead = [range(*s.indices(d)) for s, d in zip(idx[:_n], _shape[:_n])]
+            rest = idx[_n:]
+            rows = []
+            for li in (np.ndindex(*[len(r) for r in lead]) if _n else [()]):
+                key = tuple(r[i] for r, i in zip(lead, li))
+                m = _index_of[key]
+                block = _to_ours(files[m.hf_name].get(m.hf_name), m, _shape[_n:])[rest]
+                rows.append(np.asarray(block, dtype=np.float32).astype(_dt))
+            out_lead = [len(r) for r in lead]
+            return np.stack(rows).reshape(out_lead + list(rows[0].shape)) if _n else rows[0]
+
+        if mesh is None:
+            values[path_key] = jnp.asarray(read(()))
+        else:
+            names = var.get_metadata().get("out_sharding") or (None,) * len(shape)
+            spec = logical_to_spec(names, shape, mesh, rules or DEFAULT_RULES)
+            sharding = jax.sharding.NamedSharding(mesh, spec)
+            values[path_key] = jax.make_array_from_callback(shape, sharding, read)
+
+    for path_key, var in flat.items():
+        var.set_value(values[path_key])
+    return nnx.merge(graphdef, state)
+
+
+# --------------------------------------------------------------------------- save
+
+
+def save_hf(
+    model: Decoder,
+    path: str,
+    tokenizer: Any = None,
+    *,
+    dtype: Optional[str] = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> None:
+    """Writes config.json, safetensors (sharded with an index above max_shard_bytes) and,
+    if given, the tokenizer (anything with `save_pretrained`, e.g. a
+    PreTrainedTokenizerFast; or a `tokenizers.Tokenizer`, saved as tokenizer.json).
+
+    dtype: stored weight dtype (default: the parameters' own, float32).
+    """
+    cfg = model.cfg
+    os.makedirs(path, exist_ok=True)
+    hf = config_to_hf(cfg)
+    flat = _flat_state(model)
+    store_dt = as_dtype(dtype) if dtype else None
+    if store_dt is not None:
+        hf["torch_dtype"] = dtype
+
+    def tensors():
+        host_cache: dict[tuple, np.ndarray] = {}
+        for m in tensor_map(cfg):
+            if m.path not in host_cache:
+                host_cache.clear()  # keep one of our arrays on the host at a time
+                host_cache[m.path] = np.asarray(jax.device_get(flat[m.path][...]))
+            arr = _to_hf(host_cache[m.path][m.index] if m.index else host_cache[m.path], m)
+            yield m.hf_name, np.ascontiguousarray(arr.astype(store_dt or arr.dtype))
+
+    # Drop stale shards of an earlier save into the same folder before writing.
+    for fn in os.listdir(path):
+        if fn.startswith("model") and (fn.endswith(".safetensors") or fn == "model.safetensors.index.json"):
+            os.remove(os.path.join(path, fn))
+    write_sharded(tensors(), path, max_shard_bytes=max_shard_bytes)
+    if tokenizer is not None:
+        if hasattr(tokenizer, "save_pretrained"):
+            tokenizer.save_pretrained(path)
+        elif hasattr(tokenizer, "to_str"):
+            with open(os.path.join(path, "tokenizer.json"), "w") as f:
+                f.write(tokenizer.to_str())
+        else:
+            raise TypeError(f"tokenizer of type {type(tokenizer).__name__} has neither save_pretrained nor to_str")
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            val = getattr(tokenizer, key, None)
+            if isinstance(val, int):
+                hf[key] = val
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2, sort_keys=True)
+
+
+__all__ = [
+    "ARCHITECTURES",
+    "TensorMapping",
+    "config_from_hf",
+    "config_to_hf",
+    "hf_family",
+    "load_hf",
+    "save_hf",
+    "tensor_map",
+]

@@ -1,0 +1,243 @@
+"""Building blocks of the decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP.
+
+Every parameter is an `nnx.Param` whose `out_sharding` metadata holds *logical* axis
+names (vocab, embed, mlp, heads, kv_heads, head_dim, expert, None); `ptrain.parallel`
+maps them onto mesh axes. Nothing here knows about the mesh. Parameters are created
+without eager sharding, so a model can be built with or without a mesh in context.
+
+Numerics: parameters are stored in `param_dtype` (float32 master weights) and cast to
+the compute dtype at use; norms, RoPE tables and the attention softmax run in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+# Scores of masked keys. Finite (not -inf) so that a query row with every key masked
+# (padding) gets a uniform softmax instead of NaN.
+_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+def as_dtype(name: str | Any) -> Any:
+    """Maps a config dtype name ("float32" | "bfloat16" | "float16") to a jnp dtype."""
+    if not isinstance(name, str):
+        return jnp.dtype(name)
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; pass one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def param(
+    rngs: nnx.Rngs | None,
+    shape: Sequence[int],
+    axes: Sequence[Optional[str]],
+    *,
+    std: float = 0.02,
+    init: str = "normal",
+    dtype: Any = jnp.float32,
+) -> nnx.Param:
+    """Creates an `nnx.Param` of `shape` annotated with logical `axes`.
+
+    init: "normal" (N(0, std^2)), "ones" or "zeros". Eager sharding is off: the names
+    are logical, and the parallel package turns them into shardings by its rules.
+    """
+    if len(axes) != len(shape):
+        raise ValueError(f"axes {tuple(axes)} do not match shape {tuple(shape)}")
+    if init == "normal":
+        value = std * jax.random.normal(rngs.params(), tuple(shape), dtype)
+    elif init == "ones":
+        value = jnp.ones(tuple(shape), dtype)
+    elif init == "zeros":
+        value = jnp.zeros(tuple(shape), dtype)
+    else:
+        raise ValueError(f"unknown init {init!r}; pass normal | ones | zeros")
+    return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+    """y = x / sqrt(mean(x^2) + eps) * scale, normalised in float32 (Zhang & Sennrich 2019).
+
+    The scale multiplies after the cast back to the input dtype, as transformers does.
+    """
+
+    def __init__(self, dim: int, *, eps: float, axis_name: str | None, param_dtype: Any, rngs: nnx.Rngs):
+        self.eps = eps
+        self.scale = param(rngs, (dim,), (axis_name,), init="ones", dtype=param_dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+        y = (x32 * jax.lax.rsqrt(var + self.eps)).astype(x.dtype)
+        scale = self.scale[...].astype(x.dtype)
+        return y * scale.reshape((1,) * (x.ndim - 1) + scale.shape)
+
+
+# ----------------------------------------------------------------------------- RoPE
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict[str, Any]]) -> np.ndarray:
+    """Inverse frequencies [head_dim/2] of rotary embeddings (Su et al. 2021), float32.
+
+    scaling: HF rope dict; supports rope_type default, linear and llama3 (Llama 3.1+).
+    """
+    inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        pass
+    elif kind == "linear":
+        inv = inv / float(scaling["factor"])
+    elif kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > old_len / low, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+        inv = np.where(medium, smoothed, scaled)
+    else:
+        raise ValueError(
+            f"rope scaling type {kind!r} is not supported; supported: default, linear, llama3. "
+            "Set model.rope_scaling=null or convert the checkpoint's rope settings."
+        )
+    return inv.astype(np.float32)
+
+
+def rope_tables(positions_BxL: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """cos, sin tables [B, L, Dh/2] in float32 for integer positions."""
+    freqs = positions_BxL.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]
+    return jnp.cos(freqs), jnp.sin(freqs)
+
+
+def apply_rope(x_BxLxNxDh: jax.Array, cos_BxLxR: jax.Array, sin_BxLxR: jax.Array) -> jax.Array:
+    """Rotates the two halves of each head (the HF `rotate_half` layout, not interleaved)."""
+    half = x_BxLxNxDh.shape[-1] // 2
+    x1, x2 = x_BxLxNxDh[..., :half], x_BxLxNxDh[..., half:]
+    cos = cos_BxLxR[:, :, None, :].astype(x_BxLxNxDh.dtype)
+    sin = sin_BxLxR[:, :, None, :].astype(x_BxLxNxDh.dtype)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+# ------------------------------------------------------------------------ attention
+
+
+def attention_mask(
+    segment_ids_BxL: jax.Array, sliding_window: Optional[int] = None
+) -> jax.Array:
+    """Boolean mask [B, L, L]: causal and same-segment (and within the sliding window).
+
+    The diagonal is always allowed, so padding (segment 0) attends to itself and no row is
+    empty.
+    """
+    L = segment_ids_BxL.shape[1]
+    idx = jnp.arange(L)
+    allowed = idx[:, None] >= idx[None, :]
+    if sliding_window is not None:
+        allowed = allowed & (idx[:, None] - idx[None, :] < sliding_window)
+    same = segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
+    return same & allowed[None, :, :]
+
+
+def attend(
+    q_BxTxHxDh: jax.Array, k_BxSxKxDh: jax.Array, v_BxSxKxDh: jax.Array, mask_BxTxS: jax.Array
+) -> jax.Array:
+    """Masked softmax attention with grouped KV heads; scores and softmax in float32.
+
+    out = softmax(q k^T / sqrt(Dh) + mask) v  (Vaswani et al. 2017; GQA: Ainslie et al. 2023)
+    Returns [B, T, H, Dh] in the dtype of q.
+    """
+    B, T, H, Dh = q_BxTxHxDh.shape
+    K = k_BxSxKxDh.shape[2]
+    q = q_BxTxHxDh.reshape(B, T, K, H // K, Dh)
+    s = jnp.einsum("btkgd,bskd->bkgts", q, k_BxSxKxDh, preferred_element_type=jnp.float32)
+    s = s * (1.0 / math.sqrt(Dh))
+    s = jnp.where(mask_BxTxS[:, None, None, :, :], s, _MASK_VALUE)
+    p = jax.nn.softmax(s, axis=-1).astype(v_BxSxKxDh.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", p, v_BxSxKxDh)
+    return out.reshape(B, T, H, Dh)
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with optional q/k bias and q/k RMSNorm (Qwen3)."""
+
+    def __init__(self, cfg: Any, *, rngs: nnx.Rngs):
+        D, H, K, Dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        pd = as_dtype(cfg.param_dtype)
+        self.dtype = as_dtype(cfg.dtype)
+        self.q = param(rngs, (D, H, Dh), ("embed", "heads", "head_dim"), std=cfg.init_std, dtype=pd)
+        self.k = param(rngs, (D, K, Dh), ("embed", "kv_heads", "head_dim"), std=cfg.init_std, dtype=pd)
+        self.v = param(rngs, (D, K, Dh), ("embed", "kv_heads", "head_dim"), std=cfg.init_std, dtype=pd)
+        self.o = param(rngs, (H, Dh, D), ("heads", "head_dim", "embed"), std=cfg.init_std, dtype=pd)
+        self.qkv_bias = cfg.qkv_bias
+        if cfg.qkv_bias:
+            self.q_bias = param(rngs, (H, Dh), ("heads", "head_dim"), init="zeros", dtype=pd)
+            self.k_bias = param(rngs, (K, Dh), ("kv_heads", "head_dim"), init="zeros", dtype=pd)
+            self.v_bias = param(rngs, (K, Dh), ("kv_heads", "head_dim"), init="zeros", dtype=pd)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            kw = dict(eps=cfg.rms_norm_eps, axis_name="head_dim", param_dtype=pd, rngs=rngs)
+            self.q_norm = RMSNorm(Dh, **kw)
+            self.k_norm = RMSNorm(Dh, **kw)
+
+    def _project(self, x: jax.Array, w: nnx.Param, b: Optional[nnx.Param]) -> jax.Array:
+        y = jnp.einsum("bld,dnh->blnh", x, w[...].astype(self.dtype))
+        if b is not None:
+            y = y + b[...].astype(self.dtype)[None, None]
+        return y
+
+    def __call__(
+        self,
+        x_BxTxD: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        mask_BxTxS: jax.Array,
+        kv_cache: Optional[tuple[jax.Array, jax.Array]] = None,
+        cache_index: Optional[jax.Array] = None,
+    ) -> tuple[jax.Array, Optional[tuple[jax.Array, jax.Array]]]:
+        """Self-attention over x; with `kv_cache` ([B, S, K, Dh] each) the new keys/values are
+        written at slot `cache_index` (same for every row) and queries attend to the whole
+        cache under `mask_BxTxS`. Returns (out [B, T, D], updated cache or None)."""
+        bias = self.qkv_bias
+        q = self._project(x_BxTxD, self.q, self.q_bias if bias else None)
+        k = self._project(x_BxTxD, self.k, self.k_bias if bias else None)
+        v = self._project(x_BxTxD, self.v, self.v_bias if bias else None)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        new_cache = None
+        if kv_cache is not None:
+            ck, cv = kv_cache
+            zero = jnp.zeros((), jnp.int32)
+            start = (zero, cache_index.astype(jnp.int32), zero, zero)
+            ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), start)
+            cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), start)
+            new_cache = (ck, cv)
+            k, v = ck.astype(self.dtype), cv.astype(self.dtype)
+        out = attend(q, k, v, mask_BxTxS)
+        y = jnp.einsum("blnh,nhd->bld", out, self.o[...].astype(self.dtype))
+        return y, new_cache
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: down(silu(x W_gate) * (x W_up)) (Shazeer 2020)."""
+
+    def __init__(self, d_model: int, d_ff: int, cfg: Any, *, rngs: nnx.Rngs):
+        pd = as_dtype(cfg.param_dtype)
+        self.dtype = as_dtype(cfg.dtype)
+        self.gate = param(rngs, (d_model, d_ff), ("embed", "mlp"), std=cfg.init_std, dtype=pd)
+        self.up = param(rngs, (d_model, d_ff), ("embed", "mlp"), std=cfg.init_std, dtype=pd)
+        self.down = param(rngs, (d_ff, d_model), ("mlp", "embed"), std=cfg.init_std, dtype=pd)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dt = self.dtype
+        h = jax.nn.silu(x @ self.gate[...].astype(dt)) * (x @ self.up[...].astype(dt))
+        return h @ self.down[...].astype(dt)

@@ -1,0 +1,131 @@
+"""Decoder forward: shapes, masking (causal, packed segments, padding), numerics, remat/scan."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from ptrain.config.model import ModelConfig
+from ptrain.models import Decoder, count_params, flops_per_token, load_hf, save_hf
+
+TINY = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48,
+                   max_seq_len=64, tie_embeddings=False)
+LOGICAL = {"vocab", "embed", "mlp", "heads", "kv_heads", "head_dim", "expert", None}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Decoder(TINY, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def fwd(model):
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    @jax.jit
+    def f(params, ids, pos, seg):
+        return nnx.merge(graphdef, params, rest)(ids, pos, seg)
+
+    return lambda ids, pos, seg: f(params, ids, pos, seg)
+
+
+def jit_apply(model, fn):
+    """jit(fn(model, *args)) over the model's state, so tests run compiled, not op by op."""
+    graphdef, state = nnx.split(model)
+    f = jax.jit(lambda st, *a: fn(nnx.merge(graphdef, st), *a))
+    return lambda *a: f(state, *a)
+
+
+def _ids(seed, shape):
+    return jnp.asarray(np.random.default_rng(seed).integers(1, TINY.vocab_size, shape), jnp.int32)
+
+
+def _default_pos_seg(B, L):
+    return jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L)), jnp.ones((B, L), jnp.int32)
+
+
+def test_shapes_dtype_and_logical_axes(model):
+    ids = _ids(0, (2, 12))
+    logits, aux = jit_apply(model, lambda m, x: m(x, return_aux=True))(ids)
+    assert logits.shape == (2, 12, TINY.vocab_size) and logits.dtype == jnp.float32
+    assert aux.lb_loss.shape == () and aux.expert_load.shape == (0, 0)
+    params = nnx.state(model, nnx.Param)
+    n = 0
+    for path, var in nnx.to_flat_state(params):
+        names = var.get_metadata()["out_sharding"]
+        assert len(names) == var[...].ndim, path
+        assert set(names) <= LOGICAL, (path, names)
+        assert var[...].dtype == jnp.float32
+        n += var[...].size
+    assert n == count_params(TINY)
+
+
+def test_causal_future_tokens_do_not_leak(fwd):
+    ids = _ids(1, (1, 12))
+    pos, seg = _default_pos_seg(1, 12)
+    a = fwd(ids, pos, seg)
+    b = fwd(ids.at[0, 8:].set(3), pos, seg)
+    np.testing.assert_allclose(a[:, :8], b[:, :8], atol=1e-6)
+    assert not np.allclose(a[:, 8:], b[:, 8:])
+
+
+def test_packed_equals_unpacked_and_padding_is_finite(fwd):
+    doc1, doc2 = _ids(2, (1, 5)), _ids(3, (1, 4))
+    packed = jnp.concatenate([doc1, doc2, jnp.zeros((1, 3), jnp.int32)], axis=1)  # 5 + 4 + 3 padding = 12
+    seg = jnp.asarray([[1] * 5 + [2] * 4 + [0] * 3], jnp.int32)
+    pos = jnp.asarray([list(range(5)) + list(range(4)) + list(range(3))], jnp.int32)
+    out = fwd(packed, pos, seg)
+    pad = lambda d: jnp.concatenate([d, jnp.zeros((1, 12 - d.shape[1]), jnp.int32)], axis=1)
+    p12, s12 = _default_pos_seg(1, 12)
+    alone1 = fwd(pad(doc1), p12, s12)[:, :5]
+    alone2 = fwd(pad(doc2), p12, s12)[:, :4]
+    np.testing.assert_allclose(out[:, :5], alone1, atol=1e-5)
+    np.testing.assert_allclose(out[:, 5:9], alone2, atol=1e-5)
+    assert np.isfinite(np.asarray(out)).all()
+
+
+def test_bfloat16_compute_gives_float32_logits_close_to_float32(model):
+    ids = _ids(4, (2, 12))
+    bf = Decoder(dataclasses.replace(TINY, dtype="bfloat16"), rngs=nnx.Rngs(0))
+    nnx.update(bf, nnx.state(model, nnx.Param))
+    call = lambda m, x: m(x)
+    a, b = jit_apply(model, call)(ids), jit_apply(bf, call)(ids)
+    assert b.dtype == jnp.float32
+    assert float(jnp.max(jnp.abs(a - b))) < 0.05 * float(jnp.max(jnp.abs(a)))
+
+
+def test_scan_and_remat_match_the_layer_loop(model, tmp_path):
+    """Same weights via save_hf -> load_hf(scan_layers=True, remat=full): same logits and grads."""
+    save_hf(model, str(tmp_path))
+    scanned = load_hf(str(tmp_path), scan_layers=True, remat="full")
+    ids = _ids(5, (2, 12))
+    call = lambda m, x: m(x)
+    np.testing.assert_allclose(jit_apply(model, call)(ids), jit_apply(scanned, call)(ids), atol=1e-5)
+
+    def grads(m):
+        graphdef, params, rest = nnx.split(m, nnx.Param, ...)
+        loss = lambda p, x: jnp.mean(jax.nn.log_softmax(nnx.merge(graphdef, p, rest)(x))[..., 0])
+        return jax.jit(jax.grad(loss))(params, ids)
+
+    g_loop, g_scan = grads(model), grads(scanned)
+    np.testing.assert_allclose(g_loop["embed"][...], g_scan["embed"][...], atol=1e-6)
+    np.testing.assert_allclose(g_loop["dense_blocks"][1]["mlp"]["up"][...],
+                               g_scan["dense_blocks"]["mlp"]["up"][...][1], atol=1e-6)
+
+
+def test_flops_per_token_counts_matmuls_and_attention():
+    cfg = dataclasses.replace(TINY, tie_embeddings=True)
+    D, H, K, Dh, F, V, L = 32, 4, 2, 8, 48, 64, 2
+    per_layer = D * (H + 2 * K) * Dh + H * Dh * D + 3 * D * F
+    expected = 6 * (L * per_layer + V * D) + 12 * L * H * Dh * 128
+    assert flops_per_token(cfg, 128) == expected
+
+
+def test_bad_config_is_rejected_with_the_field_name():
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        Decoder(dataclasses.replace(TINY, n_kv_heads=3), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="vocab_size"):
+        Decoder(dataclasses.replace(TINY, vocab_size=0), rngs=nnx.Rngs(0))

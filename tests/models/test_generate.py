@@ -1,0 +1,116 @@
+"""KV-cache generation: cached logits equal the full forward; greedy, sampling, stops."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from ptrain.config.model import ModelConfig
+from ptrain.models import Decoder, generate, init_cache
+from ptrain.models.generate import _decode_mask, filter_logits, left_pad
+
+CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48,
+                  max_seq_len=64)
+PROMPTS = [[5, 9, 11], [7, 3, 2, 8, 1, 4, 6]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Decoder(CFG, rngs=nnx.Rngs(1))
+
+
+_FWD = {}
+
+
+def _forward(model, ids):
+    """Full-forward logits of one sequence, padded to 16 tokens (causal: the padding after
+    does not change them) so that a single compiled function serves every call."""
+    if id(model) not in _FWD:
+        graphdef, state = nnx.split(model)
+        f = jax.jit(lambda st, x: nnx.merge(graphdef, st)(x))
+        _FWD[id(model)] = lambda x: f(state, x)
+    padded = np.zeros((1, 16), np.int32)
+    padded[0, :len(ids)] = ids
+    return _FWD[id(model)](jnp.asarray(padded))[0, :len(ids)]
+
+
+def test_prefill_and_decode_logits_equal_the_full_forward(model):
+    """Left-padded batch, prefill then 3 single-token steps against the cache."""
+    P, S = 8, 11
+    ids, pads = left_pad(PROMPTS, 0, P)
+    pads = jnp.asarray(pads)
+    nxt = np.array([[12, 13, 14], [21, 22, 23]], np.int32)
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def run(state):
+        m = nnx.merge(graphdef, state)
+        caches = init_cache(CFG, 2, S)
+        slots = jnp.arange(P)
+        pos = jnp.maximum(slots[None] - pads[:, None], 0)
+        logits, caches = m.decode_step(jnp.asarray(ids), pos, _decode_mask(pads, slots, S, None), caches, jnp.int32(0))
+        outs = [logits]
+        for t in range(3):
+            slot = jnp.int32(P + t)
+            lg, caches = m.decode_step(jnp.asarray(nxt[:, t:t + 1]), (slot - pads)[:, None],
+                                       _decode_mask(pads, slot[None], S, None), caches, slot)
+            outs.append(lg)
+        return outs
+
+    outs = run(state)
+    for b, prompt in enumerate(PROMPTS):
+        seq = prompt + nxt[b].tolist()
+        ref = _forward(model, seq)
+        n = len(prompt)
+        np.testing.assert_allclose(outs[0][b, P - n:], ref[:n], atol=2e-5)
+        for t in range(3):
+            np.testing.assert_allclose(outs[1 + t][b, 0], ref[n + t], atol=2e-5)
+
+
+def test_greedy_matches_step_by_step_argmax_and_stops(model):
+    out = generate(model, PROMPTS, max_new_tokens=6)
+    for b, prompt in enumerate(PROMPTS):
+        seq = list(prompt)
+        for _ in range(6):
+            seq.append(int(np.argmax(_forward(model, seq)[-1])))
+        assert out.tokens_BxN[b].tolist() == seq[len(prompt):]
+        ref_lp = jax.nn.log_softmax(_forward(model, seq)[len(prompt) - 1:-1], axis=-1)
+        np.testing.assert_allclose(out.logprobs_BxN[b], ref_lp[np.arange(6), seq[len(prompt):]], atol=1e-4)
+    assert out.finish_reasons == ["length", "length"] and out.lengths_B.tolist() == [6, 6]
+    stop = int(out.tokens_BxN[0, 2])
+    n = out.tokens_BxN[0].tolist().index(stop) + 1  # the first occurrence ends the row
+    out2 = generate(model, PROMPTS, max_new_tokens=6, stop_tokens=[stop], pad_id=63)
+    assert out2.finish_reasons[0] == "stop" and out2.lengths_B[0] == n
+    assert out2.tokens_BxN[0, :n].tolist() == out.tokens_BxN[0, :n].tolist()
+    assert (out2.tokens_BxN[0, n:] == 63).all() and (out2.logprobs_BxN[0, n:] == 0).all()
+
+
+def test_sampled_logprobs_follow_the_filtered_distribution(model):
+    out = generate(model, PROMPTS, max_new_tokens=6, temperature=0.7, top_k=5, top_p=0.9, rng=jax.random.key(3))
+    for b, prompt in enumerate(PROMPTS):
+        seq = prompt + out.tokens_BxN[b].tolist()
+        logits = _forward(model, seq)[len(prompt) - 1:-1]
+        filt = jax.jit(filter_logits)(logits, jnp.float32(0.7), jnp.int32(5), jnp.float32(0.9))
+        lp = jax.nn.log_softmax(filt, axis=-1)[np.arange(6), out.tokens_BxN[b]]
+        np.testing.assert_allclose(out.logprobs_BxN[b], lp, atol=1e-4)
+        assert np.isfinite(out.logprobs_BxN[b]).all()
+
+
+def test_filter_logits_top_k_and_top_p():
+    logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]]))
+    keep = lambda k, p: np.isfinite(np.asarray(filter_logits(logits, jnp.float32(1), jnp.int32(k), jnp.float32(p))))[0]
+    assert keep(0, 1.0).tolist() == [True, True, True, True]
+    assert keep(2, 1.0).tolist() == [True, True, False, False]
+    assert keep(0, 0.8).tolist() == [True, True, False, False]  # 0.5 + 0.3 reaches 0.8
+    assert keep(0, 0.81).tolist() == [True, True, True, False]
+    assert keep(3, 0.1).tolist() == [True, False, False, False]  # the top token always survives
+
+
+def test_bad_requests_are_rejected(model):
+    with pytest.raises(ValueError, match="empty"):
+        generate(model, [[1], []], max_new_tokens=2)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        generate(model, [[1]], max_new_tokens=100)
+    with pytest.raises(ValueError, match="top_p"):
+        generate(model, [[1]], max_new_tokens=2, top_p=0.0)
