@@ -10,7 +10,9 @@ Ratio (`ratio_level`):
   token     r_t = exp(logp_t - old_t)                                 PPO / GRPO, Shao et al. 2402.03300
   sequence  r_t = sg(s_i) exp(logp_t - sg(logp_t)),
             s_i = exp(sum_t m (logp - old) / sum_t m)                 GSPO (token form), Zheng et al. 2507.18071
-            (value s_i, gradient s_i grad log pi_t; with seq_mean_token_mean it is GSPO's sequence objective.)
+            (value s_i, gradient s_i grad log pi_t; with seq_mean_token_mean and weights constant within
+            a sequence it is exactly the gradient of GSPO's sequence objective. Under other aggregations
+            the gradient is that of the GSPO-token surrogate, as in the paper's GSPO-token variant.)
 
 Per-token policy term (`objective`):
   ppo    max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))         Schulman et al. 1707.06347;
