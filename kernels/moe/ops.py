@@ -245,7 +245,38 @@ def grouped_matmul(
         raise ValueError(f"grouped_matmul: tiling must be (tm, tk, tn), got {tiling!r}.")
     out_dtype = jnp.dtype(preferred_element_type or lhs_MxK.dtype)
     tiling = None if tiling is None else tuple(int(t) for t in tiling)
+    lhs_MxK, rhs_GxKxN = _match_varying_axes(lhs_MxK, rhs_GxKxN)
     return _gmm(lhs_MxK, rhs_GxKxN, group_sizes_G.astype(jnp.int32), impl, out_dtype, tiling)
+
+
+def _varying_axes(a) -> frozenset:
+    """Manual mesh axes along which `a` varies (jax 0.10: aval.manual_axis_type; older/newer: aval.vma)."""
+    aval = jax.typeof(a)
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def _match_varying_axes(*arrays):
+    """Inside shard_map, marks every operand as varying over the union of their manual axes.
+
+    A weight replicated over the data axes meets rows that vary over them; the custom VJP
+    must return a weight gradient of the weight's own type, so the cast happens outside
+    it and its transpose is the psum over those axes. A no-op outside shard_map.
+    """
+    vmas = [_varying_axes(a) for a in arrays]
+    union = frozenset().union(*vmas)
+    if not union:
+        return arrays
+    pcast = getattr(jax.lax, "pcast", None)
+    out = []
+    for a, vma in zip(arrays, vmas):
+        missing = tuple(sorted(union - vma))
+        if missing:
+            a = pcast(a, missing, to="varying") if pcast is not None else jax.lax.pvary(a, missing)
+        out.append(a)
+    return tuple(out)
 
 
 # ----------------------------------------------------------------------------- expert FFN

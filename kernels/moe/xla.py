@@ -54,7 +54,8 @@ def gmm(lhs_MxK, rhs_GxKxN, group_sizes_G, *, transpose_rhs=False, out_dtype=Non
         new = jnp.where(_row_mask(meta, g, t, tm)[:, None], y.astype(out_dtype), old)
         return jax.lax.dynamic_update_slice_in_dim(out, new, t * tm, 0)
 
-    out = jax.lax.fori_loop(0, meta.num_work, body, jnp.zeros((m_pad, N), out_dtype))
+    # zeros_like keeps lhs's varying-manual-axes type, so the loop also works inside shard_map.
+    out = jax.lax.fori_loop(0, meta.num_work, body, jnp.zeros_like(lhs, out_dtype, (m_pad, N)))
     return out[:M]
 
 
@@ -77,5 +78,5 @@ def tgmm(lhs_MxK, dout_MxN, group_sizes_G, *, out_dtype=None, tm=None):
         part = jax.lax.dot_general(x, d, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         return acc.at[g].add(part)
 
-    acc = jax.lax.fori_loop(0, meta.num_work, body, jnp.zeros((G, K, N), jnp.float32))
+    acc = jax.lax.fori_loop(0, meta.num_work, body, jnp.zeros_like(lhs, jnp.float32, (G, K, N)))
     return acc.astype(out_dtype)
