@@ -15,6 +15,10 @@ Gradient accumulation: a micro-batch's `aux.loss_sum` and `aux.token_count` add 
 micro-batches, so the exact token mean of a global batch is sum(loss_sum) / sum(token_count);
 equivalently call each micro-batch with `aggregation="sum", norm_constant=global_token_count`
 and add the results. For sequence_mean use `aux.seq_loss_sum / aux.seq_count` the same way.
+
+Memory: `sft_loss` takes materialised logits; `sft_loss_from_stats(vocab_stats_from_hidden(h, W,
+targets), mask, ...)` gives the same loss from the last hidden state and the output head without
+ever forming `[B, L, V]` logits.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ptrain.losses.logprobs import vocab_stats
+from ptrain.losses.logprobs import VocabStats, vocab_stats
 from ptrain.losses.reduce import safe_divide, sequence_sums
 
 SFT_AGGREGATIONS = ("token_mean", "sequence_mean", "sum")
@@ -54,20 +58,24 @@ class SFTAux:
   seq_count: jax.Array
 
 
-def _check_sft_args(logits, target_ids, loss_mask, label_smoothing, z_loss):
-  if logits.ndim != 3:
-    raise ValueError(f"logits must be [B, L, V], got shape {tuple(logits.shape)}.")
-  if tuple(loss_mask.shape) != tuple(logits.shape[:2]):
-    raise ValueError(f"loss_mask has shape {tuple(loss_mask.shape)}, expected [B, L] = {tuple(logits.shape[:2])}.")
-  if tuple(target_ids.shape) != tuple(logits.shape[:2]):
-    raise ValueError(f"target_ids has shape {tuple(target_ids.shape)}, expected [B, L] = {tuple(logits.shape[:2])}.")
+def _check_common(target_shape, loss_mask, label_smoothing, z_loss):
+  if tuple(loss_mask.shape) != tuple(target_shape):
+    raise ValueError(f"loss_mask has shape {tuple(loss_mask.shape)}, expected [B, L] = {tuple(target_shape)}.")
   if not 0.0 <= label_smoothing < 1.0:
     raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}.")
   if z_loss < 0:
     raise ValueError(f"z_loss must be >= 0 (coefficient of lse^2), got {z_loss!r}.")
 
 
-def _per_token(stats, label_smoothing: float, z_loss: float) -> jax.Array:
+def _check_logits(logits, target_ids):
+  if logits.ndim != 3:
+    raise ValueError(f"logits must be [B, L, V], got shape {tuple(logits.shape)}.")
+  if tuple(target_ids.shape) != tuple(logits.shape[:2]):
+    raise ValueError(f"target_ids has shape {tuple(target_ids.shape)}, expected [B, L] = {tuple(logits.shape[:2])}.")
+
+
+def token_losses_from_stats(stats: VocabStats, *, label_smoothing: float = 0.0, z_loss: float = 0.0) -> jax.Array:
+  """Per-token SFT loss l_t (module docstring) from `vocab_stats` output, float32 `[B, L]`."""
   nll = -stats.logp
   loss = nll
   if label_smoothing:
@@ -84,9 +92,10 @@ def sft_token_losses(logits_BxLxV: jax.Array, target_ids_BxL: jax.Array, *, labe
 
   Positions whose loss does not count still get a value; multiply by the loss mask.
   """
-  _check_sft_args(logits_BxLxV, target_ids_BxL, jnp.zeros(target_ids_BxL.shape), label_smoothing, z_loss)
+  _check_logits(logits_BxLxV, target_ids_BxL)
+  _check_common(target_ids_BxL.shape, target_ids_BxL, label_smoothing, z_loss)
   stats = vocab_stats(logits_BxLxV, target_ids_BxL, chunk_size=chunk_size)
-  return _per_token(stats, label_smoothing, z_loss)
+  return token_losses_from_stats(stats, label_smoothing=label_smoothing, z_loss=z_loss)
 
 
 def sft_loss(logits_BxLxV: jax.Array, target_ids_BxL: jax.Array, loss_mask_BxL: jax.Array, *,
@@ -112,7 +121,19 @@ def sft_loss(logits_BxLxV: jax.Array, target_ids_BxL: jax.Array, loss_mask_BxL: 
   Returns:
     (scalar float32 loss, SFTAux).
   """
-  _check_sft_args(logits_BxLxV, target_ids_BxL, loss_mask_BxL, label_smoothing, z_loss)
+  _check_logits(logits_BxLxV, target_ids_BxL)
+  _check_common(target_ids_BxL.shape, loss_mask_BxL, label_smoothing, z_loss)
+  stats = vocab_stats(logits_BxLxV, target_ids_BxL, chunk_size=chunk_size)
+  return sft_loss_from_stats(stats, loss_mask_BxL, aggregation=aggregation, label_smoothing=label_smoothing,
+                             z_loss=z_loss, norm_constant=norm_constant, segment_ids_BxL=segment_ids_BxL)
+
+
+def sft_loss_from_stats(stats: VocabStats, loss_mask_BxL: jax.Array, *, aggregation: str = "token_mean",
+                        label_smoothing: float = 0.0, z_loss: float = 0.0,
+                        norm_constant: float | jax.Array | None = None,
+                        segment_ids_BxL: jax.Array | None = None) -> tuple[jax.Array, SFTAux]:
+  """`sft_loss` from precomputed `vocab_stats` / `vocab_stats_from_hidden` output (same options)."""
+  _check_common(stats.logp.shape, loss_mask_BxL, label_smoothing, z_loss)
   if aggregation not in SFT_AGGREGATIONS:
     raise ValueError(f"aggregation must be one of {SFT_AGGREGATIONS}, got {aggregation!r}.")
   if aggregation == "sum" and norm_constant is None:
@@ -120,16 +141,20 @@ def sft_loss(logits_BxLxV: jax.Array, target_ids_BxL: jax.Array, loss_mask_BxL: 
                      "token count, or batch_size * max_length).")
   if aggregation != "sum" and norm_constant is not None:
     raise ValueError(f"norm_constant is only used with aggregation='sum', not {aggregation!r}; drop it.")
+  if aggregation == "sequence_mean" and stats.logp.ndim != 2:
+    raise ValueError(f"aggregation='sequence_mean' needs [B, L] statistics, got shape {tuple(stats.logp.shape)}.")
 
   mask = loss_mask_BxL.astype(jnp.float32)
-  stats = vocab_stats(logits_BxLxV, target_ids_BxL, chunk_size=chunk_size)
-  per_token = _per_token(stats, label_smoothing, z_loss)
+  per_token = token_losses_from_stats(stats, label_smoothing=label_smoothing, z_loss=z_loss)
 
   loss_sum = jnp.sum(per_token * mask)
   token_count = jnp.sum(mask)
-  seq_sums, seq_counts = sequence_sums(per_token, mask, segment_ids_BxL)
-  seq_loss_sum = jnp.sum(safe_divide(seq_sums, seq_counts))
-  seq_count = jnp.sum((seq_counts > 0).astype(jnp.float32))
+  if stats.logp.ndim == 2:
+    seq_sums, seq_counts = sequence_sums(per_token, mask, segment_ids_BxL)
+    seq_loss_sum = jnp.sum(safe_divide(seq_sums, seq_counts))
+    seq_count = jnp.sum((seq_counts > 0).astype(jnp.float32))
+  else:  # flat token lists (e.g. gathered completion tokens) have no sequences
+    seq_loss_sum = seq_count = jnp.zeros((), jnp.float32)
 
   if aggregation == "token_mean":
     loss = safe_divide(loss_sum, token_count)

@@ -100,6 +100,20 @@ def test_hidden_variant_matches_logits_values_and_grads(data):
   np.testing.assert_allclose(token_logprobs_from_hidden(h, w, t, chunk_size=4), token_logprobs(h @ w, t), atol=2e-5)
 
 
+def test_hidden_flat_token_list_and_bf16(data):
+  """A flat [N, D] list of gathered tokens (e.g. completion tokens only) gives the same per-token values;
+  bf16 activations and head get bf16 gradients of float32 math."""
+  h, w, t = data["hidden"], data["head"], data["targets"]
+  rows = jnp.array([0, 1, 1]), jnp.array([2, 0, 1])
+  flat = jax.jit(functools.partial(vocab_stats_from_hidden, chunk_size=4))(h[rows], w, t[rows])
+  full = vocab_stats(h @ w, t)
+  np.testing.assert_allclose(flat.logp, full.logp[rows], atol=2e-5)
+  g = jax.jit(jax.grad(lambda h, w: jnp.sum(vocab_stats_from_hidden(h, w, t, chunk_size=4).logp), (0, 1)))(
+      h.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
+  assert g[0].dtype == jnp.bfloat16 and g[1].dtype == jnp.bfloat16
+  assert all(np.all(np.isfinite(np.asarray(x, np.float32))) for x in g)
+
+
 def test_check_grads_hidden(data):
   t = data["targets"]
   f = lambda h, w: _stats_objective(vocab_stats_from_hidden(h, w, t, chunk_size=4))  # noqa: E731

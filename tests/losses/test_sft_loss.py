@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from ptrain.losses import sft_loss, sft_token_losses
+from ptrain.losses import sft_loss, sft_loss_from_stats, sft_token_losses, vocab_stats_from_hidden
 
 B, L, V = 3, 4, 7
 
@@ -120,6 +120,24 @@ def test_jit_equals_eager_and_empty_mask(batch):
 def test_check_grads(batch):
   f = jax.jit(lambda z: sft_loss(z, batch["targets"], batch["mask"], label_smoothing=0.1, z_loss=1e-2)[0])
   check_grads(f, (batch["logits"],), order=1, modes=("rev",), atol=1e-2, rtol=1e-2)
+
+
+def test_from_hidden_equals_from_logits(batch):
+  """sft_loss_from_stats(vocab_stats_from_hidden(h, W, y)) = sft_loss(h @ W, y): value and gradients."""
+  k1, k2 = jax.random.split(jax.random.PRNGKey(2))
+  h, w = jax.random.normal(k1, (B, L, 5)), jax.random.normal(k2, (5, V))
+  kw = dict(aggregation="sequence_mean", label_smoothing=0.1, z_loss=1e-2)
+
+  def both(h, w):
+    via_logits = lambda h, w: sft_loss(h @ w, batch["targets"], batch["mask"], **kw)[0]  # noqa: E731
+    via_hidden = lambda h, w: sft_loss_from_stats(  # noqa: E731
+        vocab_stats_from_hidden(h, w, batch["targets"], chunk_size=3), batch["mask"], **kw)[0]
+    return [jax.value_and_grad(f, argnums=(0, 1))(h, w) for f in (via_logits, via_hidden)]
+
+  (l1, g1), (l2, g2) = jax.jit(both)(h, w)
+  np.testing.assert_allclose(l2, l1, rtol=1e-6)
+  for a, b in zip(g1, g2):
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
 
 
 def test_bad_inputs_raise_clear_errors(batch):
