@@ -41,7 +41,9 @@ Aggregation of the per-token loss l = policy term + kl_coef k - entropy_coef H (
   seq_mean_token_mean      (1/N_seq) sum_i (sum_t m l / sum_t m)     original GRPO
   seq_mean_token_sum       (1/N_seq) sum_i sum_t m l
   seq_mean_token_sum_norm  (1/N_seq) sum_i sum_t m l / C             Dr. GRPO 2503.20783 (C = norm_constant,
-                                                                     default the padded length L)
+                                                                     default the padded length L; verl's
+                                                                     mode of this name drops 1/N_seq:
+                                                                     pass denominator=1 to match it)
 For gradient accumulation pass `denominator=` the global token count (token_mean) or the
 global sequence count (seq_mean_*), then add the micro-batch losses.
 """
@@ -272,15 +274,20 @@ def policy_loss(logp: jax.Array, old_logp: jax.Array | None, advantages: jax.Arr
                      entropy_coef=entropy_coef, is_correction=is_correction, is_level=is_level, is_low=is_low,
                      is_high=is_high, max_seq_mult_prob_error=max_seq_mult_prob_error)
   f32 = jnp.float32
-  logp = logp.astype(f32)
   mask = mask.astype(f32)
-  old = jax.lax.stop_gradient(logp if old_logp is None else old_logp.astype(f32))
+  # Padding may hold anything (-inf log-probs, NaN from an engine): zero it before any arithmetic, so
+  # that neither the loss nor its gradient can see it (NaN * 0 would still be NaN).
+  valid = mask > 0
+  clean = lambda x: None if x is None else jnp.where(valid, x.astype(f32), 0.0)  # noqa: E731
+  logp, old_logp, ref_logp, entropy, engine_logp = map(clean, (logp, old_logp, ref_logp, entropy, engine_logp))
+  old = jax.lax.stop_gradient(logp if old_logp is None else old_logp)
   adv = jax.lax.stop_gradient(advantages.astype(f32))
   adv = adv[:, None] if adv.ndim == 1 else adv
+  adv = jnp.where(valid, adv, 0.0)
 
   if engine_logp is not None:
     w, mask, mismatch = _engine_correction(
-        old, jax.lax.stop_gradient(engine_logp.astype(f32)), mask, is_correction=is_correction, is_level=is_level,
+        old, jax.lax.stop_gradient(engine_logp), mask, is_correction=is_correction, is_level=is_level,
         is_low=is_low, is_high=is_high, max_seq_mult_prob_error=max_seq_mult_prob_error)
   else:
     w = jnp.ones_like(logp)
@@ -315,12 +322,12 @@ def policy_loss(logp: jax.Array, old_logp: jax.Array | None, advantages: jax.Arr
 
   per_token = pg
   if ref_logp is not None:
-    kl = kl_penalty(logp, jax.lax.stop_gradient(ref_logp.astype(f32)), kl_estimator)
+    kl = kl_penalty(logp, jax.lax.stop_gradient(ref_logp), kl_estimator)
     if kl_clamp is not None:
       kl = jnp.clip(kl, -kl_clamp, kl_clamp)
     per_token = per_token + kl_coef * kl
   if entropy is not None:
-    per_token = per_token - entropy_coef * entropy.astype(f32)
+    per_token = per_token - entropy_coef * entropy
 
   agg = lambda x: _aggregate(x, mask, aggregation, denominator, norm_constant)  # noqa: E731
   loss = agg(per_token)
@@ -330,7 +337,7 @@ def policy_loss(logp: jax.Array, old_logp: jax.Array | None, advantages: jax.Arr
   aux = PolicyAux(
       pg_loss=agg(sg(pg)),
       kl_loss=agg(sg(kl)) if ref_logp is not None else zero,
-      entropy=masked_mean(sg(entropy.astype(f32)), mask) if entropy is not None else zero,
+      entropy=masked_mean(sg(entropy), mask) if entropy is not None else zero,
       clip_frac_low=frac(low_hit),
       clip_frac_high=frac(high_hit),
       clip_frac_dual=frac(dual_hit),

@@ -5,16 +5,19 @@ Public entry points (tests, tools and stages rely on these names):
   load_hf(path, dtype=...) / save_hf(model, path, tokenizer=None)
   generate(model, prompts, ...)          prefill + incremental decode with a KV cache
   flops_per_token(cfg, seq_len)          training FLOPs per token for MFU
+  update_router_bias(state, load, rate)  aux-loss-free router bias step (RouterBias is not a Param)
 """
 
 from ptrain.models.decoder import Decoder, ModelAux, count_params, flops_per_token, init_cache, validate_config
 from ptrain.models.generate import GenerateOutput, generate
 from ptrain.models.hf import config_from_hf, config_to_hf, load_hf, save_hf
+from ptrain.models.moe import RouterBias, update_router_bias
 
 __all__ = [
     "Decoder",
     "GenerateOutput",
     "ModelAux",
+    "RouterBias",
     "config_from_hf",
     "config_to_hf",
     "count_params",
@@ -23,5 +26,6 @@ __all__ = [
     "init_cache",
     "load_hf",
     "save_hf",
+    "update_router_bias",
     "validate_config",
 ]

@@ -74,8 +74,10 @@ def run_sft_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict
     logger = MetricsLogger(run.logging, stage_dir, total_steps=t.steps, start_step=start,
                            name=f"sft {run.stages[0].name}")
     try:
-        if start == 0 and evaluators:
-            logger.log(0, evaluate(state, 0), prefix="eval")
+        if start == 0:
+            logger.log(0, train_iter.report.as_metrics(prefix=""), prefix="data")
+            if evaluators:
+                logger.log(0, evaluate(state, 0), prefix="eval")
         state, last = train_loop(
             run, state=state, step_fn=step_fn, batches=train_iter, data_state=train_iter.get_state, mesh=mesh,
             checkpointer=ckpt, logger=logger, start_step=start,
@@ -90,7 +92,7 @@ def run_sft_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict
     export = export_stage(placed, state, stage_dir, tokenizer)
     summary = {k: v for k, v in last.items() if isinstance(v, float)}
     summary.update(stage=run.stages[0].name, steps=t.steps, export=export,
-                   bad_rows=train_iter.report.total_bad if hasattr(train_iter.report, "total_bad") else None,
+                   bad_rows=train_iter.report.bad,
                    wall_time_s=round(time.time() - t_start, 1))
     mark_done(stage_dir, summary)
     return summary

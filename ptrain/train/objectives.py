@@ -10,8 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ptrain.config.train import SFTAlgoConfig
-from ptrain.losses import sft_loss
+from ptrain.config.train import DPOAlgoConfig, SFTAlgoConfig
+from ptrain.losses import preference_loss, sequence_logprobs, sft_loss, token_logprobs
 from ptrain.losses.reduce import sequence_sums
 from ptrain.train.state import ModelDef, TrainState
 
@@ -75,3 +75,66 @@ def finalize_metrics(m: dict, grad_accum: int) -> dict:
         out["expert_load_max"] = float(jnp.max(load)) * load.shape[-1]  # 1.0 = perfectly balanced
         out["expert_load_min"] = float(jnp.min(load)) * load.shape[-1]
     return out
+
+
+# ---------------------------------------------------------------------------------- DPO family
+
+SIDES = ("chosen", "rejected")
+
+
+def both_sides(batch: dict) -> dict:
+    """Stack the chosen and rejected halves of a preference batch into one [2B, L] batch."""
+    return {k: jnp.concatenate([batch[f"chosen_{k}"], batch[f"rejected_{k}"]], axis=0)
+            for k in ("input_ids", "target_ids", "loss_mask", "segment_ids", "positions")}
+
+
+def pair_logprobs(model_def: ModelDef, params, model_state, batch: dict):
+    """Per-sequence summed completion log-probs and token counts of both sides, each [B].
+
+    One forward pass over chosen and rejected together (2B rows), so the two sides share
+    one compiled program and one set of weight reads.
+    """
+    seqs = both_sides(batch)
+    logits, _ = forward(model_def, params, model_state, seqs)
+    logp, counts = sequence_logprobs(token_logprobs(logits, seqs["target_ids"]), seqs["loss_mask"])
+    b = batch["chosen_input_ids"].shape[0]
+    return logp[:b], logp[b:], counts[:b], counts[b:]
+
+
+def dpo_denominator(batch: dict) -> jax.Array:
+    """Number of real pairs (eval batches pad with pair_index -1)."""
+    return jnp.sum((batch["pair_index"] >= 0).astype(jnp.float32))
+
+
+def make_dpo_objective(model_def: ModelDef, cfg: DPOAlgoConfig):
+    """Preference loss of the policy against the frozen reference, averaged over real pairs.
+
+    Reference log-probs come from the batch (`ref_chosen_logps` / `ref_rejected_logps`,
+    precomputed in one pass) when present, else from `state.ref_params` in the same step.
+    Metrics are means over the global batch (already divided by the pair count).
+    """
+    reference_free = cfg.kind in ("simpo", "orpo")
+
+    def objective(params, state: TrainState, batch: dict, denom: jax.Array):
+        pc, pr, nc, nr = pair_logprobs(model_def, params, state.model_state, batch)
+        if reference_free:
+            rc = rr = None
+        elif "ref_chosen_logps" in batch:
+            rc, rr = batch["ref_chosen_logps"], batch["ref_rejected_logps"]
+        else:
+            rc, rr, _, _ = pair_logprobs(model_def, jax.lax.stop_gradient(state.ref_params), state.model_state, batch)
+        loss_b, aux = preference_loss(pc, pr, rc, rr, kind=cfg.kind, beta=cfg.beta,
+                                      label_smoothing=cfg.label_smoothing, gamma=cfg.gamma,
+                                      nll_weight=cfg.nll_weight, chosen_token_counts=nc, rejected_token_counts=nr)
+        valid = (batch["pair_index"] >= 0).astype(jnp.float32)
+        mean = lambda x: jnp.sum(x * valid) / denom
+        metrics = {
+            "rewards_chosen": mean(aux.chosen_rewards), "rewards_rejected": mean(aux.rejected_rewards),
+            "margin": mean(aux.margin), "reward_accuracy": mean(aux.accuracy),
+            "logps_chosen": mean(pc), "logps_rejected": mean(pr),
+            "preference_accuracy": mean((pc > pr).astype(jnp.float32)),
+            "loss_tokens": jnp.sum((nc + nr) * valid),
+        }
+        return mean(loss_b), metrics
+
+    return objective
