@@ -116,3 +116,20 @@ def test_bad_values_fail_fast_naming_the_key(override, key, tmp_path):
 def test_unknown_key_fails_naming_it(tmp_path):
     out = cli("recipe=sft_arithmetic", "optim.learnig_rate=1", f"run_dir={tmp_path}", check=False)
     assert out.returncode != 0 and "learnig_rate" in out.stderr
+
+
+@pytest.mark.slow
+def test_sft_then_dpo_pipeline_hands_the_export_on(tmp_path):
+    tiny = [a for a in TINY if not a.startswith("recipe=")]
+    cli("recipe=sft_dpo_arithmetic", *tiny, "train.steps=3", "train.eval_every=0", "checkpoint.every_steps=0",
+        "algo.dpo.precompute_reference=true",
+        "stages.1.data.generated.n_train=64", "+stages.1.data.generated.n_eval=16",
+        "stages.1.train.steps=2", "stages.1.train.global_batch_size=4", "stages.1.train.eval_every=2",
+        f"run_dir={tmp_path}")
+    sft = json.loads((tmp_path / "stages" / "sft" / "DONE.json").read_text())
+    dpo = json.loads((tmp_path / "stages" / "dpo" / "DONE.json").read_text())
+    assert sft["steps"] == 3 and dpo["steps"] == 2
+    assert 0.0 <= dpo["eval/preference_accuracy"] <= 1.0 and "rewards_chosen" in dpo
+    assert (tmp_path / "data" / "preference_train.jsonl").is_file()
+    cfg = (tmp_path / "stages" / "dpo" / "config.yaml").read_text()
+    assert "format: preference" in cfg
