@@ -1,0 +1,46 @@
+"""Packaging: a built wheel carries ptrain.kernels (from kernels/), the Hydra configs and recipes."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_editable_install_maps_kernels_to_ptrain_kernels():
+    import ptrain.kernels.moe as moe
+
+    assert os.path.realpath(os.path.dirname(moe.__file__)) == os.path.realpath(os.path.join(ROOT, "kernels", "moe"))
+
+
+@pytest.mark.slow
+def test_wheel_install_imports_kernels_and_composes_recipes(tmp_path):
+    isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", ROOT, "--no-deps", "-q", "-w", str(tmp_path / "w"),
+                          *isolation], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    wheel = next((tmp_path / "w").glob("ptrain-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "ptrain/kernels/moe/ops.py" in names
+    assert "ptrain/conf/config.yaml" in names and "ptrain/conf/recipe/sft_arithmetic.yaml" in names
+    assert not any(n.startswith("kernels/") for n in names)  # no top-level `kernels` package
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    probe = (
+        "import ptrain.kernels.moe, ptrain, os;"
+        "assert ptrain.__file__.startswith(os.environ['SITE']), ptrain.__file__;"
+        "from hydra import compose, initialize_config_module;"
+        "from ptrain.config import register_configs, to_run_config; register_configs();"
+        "ctx = initialize_config_module(config_module='ptrain.conf', version_base='1.3'); ctx.__enter__();"
+        "run = to_run_config(compose(config_name='config', overrides=['recipe=sft_dpo_arithmetic']));"
+        "print([s.kind for s in run.stages])"
+    )
+    env = dict(os.environ, PYTHONPATH=str(site), SITE=str(site))
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, env=env,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "['sft', 'dpo']" in res.stdout
