@@ -270,6 +270,20 @@ def test_jit_equals_eager_and_check_grads(rollout):
     check_grads(f, (rollout["logp"],), order=1, modes=("rev",), eps=1e-3, atol=1e-2, rtol=1e-2)
 
 
+def test_garbage_in_padding_is_ignored(rollout):
+  """-inf / NaN at masked positions (padding from an engine) change neither loss nor gradient."""
+  mask = rollout["mask"]
+  pad = mask == 0
+  dirty = dict(rollout, old=jnp.where(pad, jnp.nan, rollout["old"]), ref=jnp.where(pad, jnp.inf, rollout["ref"]),
+               engine=jnp.where(pad, jnp.nan, rollout["engine"]), entropy=jnp.where(pad, jnp.nan, rollout["entropy"]))
+  f = lambda r, lp: jax.value_and_grad(lambda lp: _full(r, lp, mask, max_seq_mult_prob_error=3.0)[0])(lp)  # noqa: E731
+  (l_clean, g_clean), (l_dirty, g_dirty) = jax.jit(
+      lambda lp: (f(rollout, lp), f(dirty, jnp.where(pad, -jnp.inf, lp))))(rollout["logp"])
+  np.testing.assert_allclose(l_dirty, l_clean, rtol=1e-6)
+  np.testing.assert_allclose(g_dirty, g_clean, rtol=1e-6)
+  assert np.all(np.asarray(g_dirty)[np.asarray(pad)] == 0.0)
+
+
 def test_empty_mask_gives_zero_not_nan(rollout):
   loss, aux = _full(rollout, rollout["logp"], jnp.zeros_like(rollout["mask"]))
   assert float(loss) == 0.0
