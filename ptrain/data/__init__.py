@@ -18,6 +18,7 @@ from ptrain.data.pipeline import (
     batch_prompts,
     clear_cache,
     make_eval_prompts,
+    make_prompt_iterator,
     make_sft_dataset,
     make_sft_iterator,
     open_split,
@@ -37,7 +38,7 @@ __all__ = [
     "BadRowError", "BadRowReport", "CONTRACT_KEYS", "DataIterator", "EvalPrompt", "JsonlSource", "ListSource",
     "ParquetSource", "TokenizedRows", "batch_prompts", "build_tokenizer", "check_answer", "clear_cache",
     "extract_answer", "get_tokenizer", "load_tokenizer", "make_eval_prompts", "make_preference_iterator",
-    "make_preference_pass", "make_sft_dataset", "make_sft_iterator", "open_source", "open_split", "pack_examples",
-    "preference_examples", "sft_examples", "shifted_examples", "tokenize_conversation", "tokenize_sft_rows",
-    "unpacked_batch", "write_generated",
+    "make_preference_pass", "make_prompt_iterator", "make_sft_dataset", "make_sft_iterator", "open_source",
+    "open_split", "pack_examples", "preference_examples", "sft_examples", "shifted_examples",
+    "tokenize_conversation", "tokenize_sft_rows", "unpacked_batch", "write_generated",
 ]

@@ -194,9 +194,10 @@ class DataIterator(grain.DatasetIterator):
         self.n_examples = n_examples
         self.epoch = 0
 
-    def __next__(self) -> dict[str, np.ndarray]:
-        batch = dict(next(self._parent))
-        if "epoch" in batch:
+    def __next__(self) -> Any:
+        batch = next(self._parent)
+        if isinstance(batch, dict) and "epoch" in batch:
+            batch = dict(batch)
             self.epoch = int(batch.pop("epoch").max())
         return batch
 
@@ -331,6 +332,29 @@ def make_eval_prompts(cfg: DataConfig, tokenizer, *, split: str = "eval", limit:
             task = {"answer": tasks.extract_answer(reference)}
         out.append(EvalPrompt(prompt_ids(tokenizer, prompt), task, reference, i))
     return out
+
+
+class _PromptList:
+    """Grain batch_fn: a batch of prompts is a plain list (they have different lengths)."""
+
+    def __call__(self, prompts):
+        return list(prompts)
+
+
+def make_prompt_iterator(cfg: DataConfig, tokenizer, *, batch_size: int, seed: Optional[int] = None,
+                         split: str = "train", shard_index: int = 0, shard_count: int = 1) -> DataIterator:
+    """Iterator of prompt batches (lists of EvalPrompt with task metadata) for RL stages.
+
+    Seeded shuffle and cfg.num_epochs passes over the split's prompts, full batches only,
+    exact get_state/set_state like the SFT iterator. `.report` is the SFT report of the split.
+    """
+    prompts = make_eval_prompts(cfg, tokenizer, split=split)
+    seed = cfg.shuffle_seed if seed is None else seed
+    ds, n = _examples_dataset(prompts, seed=seed, shuffle=cfg.shuffle, num_epochs=cfg.num_epochs,
+                              shard_index=shard_index, shard_count=shard_count)
+    it_ds = ds.to_iter_dataset(_READ).batch(batch_size, drop_remainder=True, batch_fn=_PromptList())
+    rep = BadRowReport(source=f"{split} prompts", total=n, good=n)
+    return DataIterator(iter(_finish(it_ds, cfg.num_workers)), rep, n)
 
 
 def batch_prompts(prompts: list[EvalPrompt], batch_size: int, pad_id: int, *, pad_to: Optional[int] = None,

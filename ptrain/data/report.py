@@ -56,6 +56,8 @@ class BadRowReport:
     def bad(self) -> int:
         return sum(self.counts.values())
 
+    total_bad = bad  # the name the stage summary reads
+
     def add(self, reason: str, index: int, where: str, problem: str) -> None:
         """Record bad row `index` (located by `where`, e.g. 'train.jsonl row 3 (line 4)')."""
         if reason not in REASONS:

@@ -52,7 +52,9 @@ Think about the question, check each step, and write the answer clearly.
 
 
 def _training_text() -> list[str]:
-    return tasks.sample_text() + _GENERIC_TEXT.splitlines() * 20
+    # Role names as the template writes them, so "assistant" is one token, not four.
+    roles = [f"{role}\n" for role in ("system", "user", "assistant", "tool")] * 50
+    return tasks.sample_text() + _GENERIC_TEXT.splitlines() * 20 + roles
 
 
 def build_tokenizer(out_dir: Optional[str] = None, vocab_size: int = 512):

@@ -239,3 +239,19 @@ def test_worker_processes_are_deterministic_and_resume(tokenizer, make_cfg):
     fresh = make_sft_iterator(cfg, tokenizer, batch_size=B, seq_len=L, seed=0)
     fresh.set_state(state)
     _assert_same(a[3:], _collect(fresh, 3))
+
+
+def test_prompt_iterator_for_rl_shuffles_covers_and_resumes(tokenizer, make_cfg):
+    from ptrain.data import make_prompt_iterator
+
+    cfg = make_cfg()
+    it = make_prompt_iterator(cfg, tokenizer, batch_size=8, seed=5)
+    epoch = [p for _ in range(15) for p in next(it)]  # 120 prompts / 8
+    assert sorted(p.row for p in epoch) == list(range(120))
+    assert [p.row for p in epoch] != list(range(120))
+    assert all(p.task and p.task["answer"] for p in epoch)
+    state = it.get_state()
+    want = [p.row for p in next(it)]
+    fresh = make_prompt_iterator(cfg, tokenizer, batch_size=8, seed=5)
+    fresh.set_state(state)
+    assert [p.row for p in next(fresh)] == want
