@@ -16,6 +16,7 @@ chat_template.jinja through `transformers.PreTrainedTokenizerFast`, so
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Optional
 
@@ -99,10 +100,40 @@ def build_tokenizer(out_dir: Optional[str] = None, vocab_size: int = 512):
 
 
 def save_tokenizer(tokenizer, out_dir: str) -> str:
-    """Write tokenizer files into out_dir (created if needed); returns out_dir."""
+    """Write tokenizer files into out_dir (created if needed) that transformers 4.x and 5.x both load.
+
+    transformers 5 writes tokenizer_class "TokenizersBackend" and a list-valued
+    "extra_special_tokens", which transformers 4.x (what SGLang installs pin) rejects; the
+    classic names mean the same to both. Also writes special_tokens_map.json.
+    """
     os.makedirs(out_dir, exist_ok=True)
     tokenizer.save_pretrained(out_dir)
+    make_portable(out_dir)
     return out_dir
+
+
+def make_portable(folder: str) -> None:
+    """Rewrite folder/tokenizer_config.json with names both transformers 4.x and 5.x understand."""
+    path = os.path.join(folder, "tokenizer_config.json")
+    with open(path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    if cfg.get("tokenizer_class") in (None, "TokenizersBackend"):
+        cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    extra = cfg.pop("extra_special_tokens", None)
+    if isinstance(extra, list):
+        cfg["additional_special_tokens"] = extra
+    elif isinstance(extra, dict):
+        cfg["extra_special_tokens"] = extra
+    cfg.pop("backend", None)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True, ensure_ascii=False)
+        f.write("\n")
+    special = {k: cfg[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token") if cfg.get(k)}
+    if cfg.get("additional_special_tokens"):
+        special["additional_special_tokens"] = cfg["additional_special_tokens"]
+    with open(os.path.join(folder, "special_tokens_map.json"), "w", encoding="utf-8") as f:
+        json.dump(special, f, indent=2, sort_keys=True, ensure_ascii=False)
+        f.write("\n")
 
 
 def load_tokenizer(path: str):

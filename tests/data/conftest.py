@@ -4,6 +4,7 @@ import pytest
 
 from ptrain.config.data import DataConfig, GeneratedTaskConfig
 from ptrain.data import build_tokenizer
+from ptrain.data.tokenizer import save_tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -14,7 +15,7 @@ def tokenizer():
 @pytest.fixture(scope="session")
 def tok_dir(tmp_path_factory, tokenizer):
     d = tmp_path_factory.mktemp("tok")
-    tokenizer.save_pretrained(str(d))
+    save_tokenizer(tokenizer, str(d))
     return str(d)
 
 

@@ -88,3 +88,17 @@ def test_prefix_fallback_equals_generation_tags(tokenizer, tok_dir, tmp_path):
     ids_b, mask_b = tokenize_conversation(tok, CONV)
     np.testing.assert_array_equal(ids_a, ids_b)
     np.testing.assert_array_equal(mask_a, mask_b)
+
+
+def test_saved_files_use_names_transformers_4_understands(tok_dir):
+    """transformers 4.x (SGLang's pin) rejects tokenizer_class TokenizersBackend and a list-valued
+    extra_special_tokens; the saved config uses the classic names (checked to load in 4.57)."""
+    import json
+
+    cfg = json.load(open(os.path.join(tok_dir, "tokenizer_config.json")))
+    assert cfg["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert cfg["additional_special_tokens"] == [IM_START, IM_END]
+    assert not isinstance(cfg.get("extra_special_tokens"), list) and "backend" not in cfg
+    special = json.load(open(os.path.join(tok_dir, "special_tokens_map.json")))
+    assert special["eos_token"] == EOS and special["pad_token"] == PAD
+    assert os.path.isfile(os.path.join(tok_dir, "chat_template.jinja"))
