@@ -153,6 +153,55 @@ def tokenize_conversation(tokenizer, messages: list[dict[str, Any]], n_prompt: i
     return ids, mask
 
 
+def _is_embedded_chatml(tokenizer) -> bool:
+    from ptrain.data.tokenizer import CHAT_TEMPLATE
+
+    return getattr(tokenizer, "chat_template", None) == CHAT_TEMPLATE
+
+
+def _render_chatml(messages: list[dict[str, Any]], n_prompt: int) -> tuple[str, list[tuple[int, int]], int]:
+    """The embedded ChatML template in Python: (text, assistant char spans, chars before the completion)."""
+    from ptrain.data.tokenizer import IM_END, IM_START
+
+    parts, spans, pos, prompt_chars = [], [], 0, 0
+    for i, m in enumerate(messages):
+        if i == n_prompt and n_prompt:
+            prompt_chars = pos + len(f"{IM_START}assistant\n")
+        head = f"{IM_START}{m['role']}\n"
+        if m["role"] == "assistant":
+            body = m["content"] + IM_END
+            spans.append((pos + len(head), pos + len(head) + len(body)))
+            piece = head + body + "\n"
+        else:
+            piece = head + m["content"] + IM_END + "\n"
+        parts.append(piece)
+        pos += len(piece)
+    return "".join(parts), spans, prompt_chars
+
+
+def tokenize_conversations(tokenizer, conversations: list[tuple[list[dict[str, Any]], int]]
+                           ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """`tokenize_conversation` over many (messages, n_prompt) pairs.
+
+    With the embedded ChatML template this renders in Python and encodes the whole list in
+    one Rust call (several times faster than apply_chat_template per row; a test checks the
+    two agree token for token and mask for mask). Other templates go row by row.
+    """
+    if not _is_embedded_chatml(tokenizer):
+        return [tokenize_conversation(tokenizer, m, n) for m, n in conversations]
+    rendered = [_render_chatml(m, n) for m, n in conversations]
+    encodings = tokenizer.backend_tokenizer.encode_batch([r[0] for r in rendered], add_special_tokens=False)
+    out = []
+    for (_, spans, prompt_chars), enc in zip(rendered, encodings):
+        ids = np.asarray(enc.ids, np.int32)
+        offsets = np.asarray(enc.offsets, np.int64).reshape(-1, 2)
+        mask = np.zeros(len(ids), np.int8)
+        for a, b in spans:
+            mask[(offsets[:, 0] < b) & (offsets[:, 1] > a) & (offsets[:, 0] >= prompt_chars)] = 1
+        out.append((ids, mask))
+    return out
+
+
 def prompt_ids(tokenizer, messages: list[dict[str, Any]]) -> np.ndarray:
     """Token ids [P] int32 of messages followed by the assistant generation prompt."""
     return np.asarray(_ids(tokenizer, messages, add_generation_prompt=True), np.int32)
@@ -199,6 +248,9 @@ class TokenizedRows:
         return {"tokens": self.tokens[a:b], "mask": self.mask[a:b], "row": int(self.rows[i])}
 
 
+_CHUNK = 512  # rows validated and tokenised together
+
+
 def _where(source, index: int) -> str:
     return source.where(index) if hasattr(source, "where") else f"row {index}"
 
@@ -212,24 +264,35 @@ def tokenize_sft_rows(source, tokenizer, *, fmt: str, seq_len: int, truncate: bo
     """
     rep = BadRowReport(source=name or repr(source), policy=bad_rows, keep_rows=report_rows)
     examples, rows = [], []
-    for i in range(len(source)):
-        rep.total += 1
-        try:
+    for lo in range(0, len(source), _CHUNK):
+        # Validate a chunk, tokenise its good rows in one call, then account in row order.
+        problems: dict[int, RowProblem] = {}
+        convs: dict[int, tuple[list[dict[str, Any]], int]] = {}
+        for i in range(lo, min(lo + _CHUNK, len(source))):
             try:
-                row = source[i]
-            except RowDecodeError as e:
-                raise RowProblem(R.INVALID_JSON, str(e)) from None
-            messages, n_prompt = sft_conversation(row, fmt)
-            ids, mask = tokenize_conversation(tokenizer, messages, n_prompt)
-            if not mask[1:].any():
-                raise RowProblem(R.EMPTY_ASSISTANT, "the chat template left no assistant token to train on")
-            ids, mask, cut = fit_length(ids, mask, seq_len + 1, truncate)
-        except RowProblem as p:
-            rep.add(p.reason, i, _where(source, i), p.problem)
-            continue
-        rep.good += 1
-        rep.truncated += int(cut)
-        examples.append((ids, mask))
-        rows.append(i)
+                try:
+                    row = source[i]
+                except RowDecodeError as e:
+                    raise RowProblem(R.INVALID_JSON, str(e)) from None
+                convs[i] = sft_conversation(row, fmt)
+            except RowProblem as p:
+                problems[i] = p
+        tokenised = dict(zip(convs, tokenize_conversations(tokenizer, list(convs.values()))))
+        for i in range(lo, min(lo + _CHUNK, len(source))):
+            rep.total += 1
+            try:
+                if i in problems:
+                    raise problems[i]
+                ids, mask = tokenised[i]
+                if not mask[1:].any():
+                    raise RowProblem(R.EMPTY_ASSISTANT, "the chat template left no assistant token to train on")
+                ids, mask, cut = fit_length(ids, mask, seq_len + 1, truncate)
+            except RowProblem as p:
+                rep.add(p.reason, i, _where(source, i), p.problem)
+                continue
+            rep.good += 1
+            rep.truncated += int(cut)
+            examples.append((ids, mask))
+            rows.append(i)
     rep.finish(max_bad_fraction)
     return TokenizedRows(examples, rows), rep

@@ -24,7 +24,7 @@ import numpy as np
 
 from ptrain.config.data import DataConfig
 from ptrain.data import report as R
-from ptrain.data.chat import RowProblem, TokenizedRows, as_messages, fit_length, tokenize_conversation
+from ptrain.data.chat import _CHUNK, RowProblem, TokenizedRows, as_messages, fit_length, tokenize_conversations
 from ptrain.data.pipeline import (
     DataIterator,
     _READ,
@@ -84,31 +84,45 @@ def tokenize_preference_rows(source, tokenizer, *, seq_len: int, truncate: bool,
     rep = BadRowReport(source=name or repr(source), policy=bad_rows, keep_rows=report_rows)
     sides: dict[str, list] = {"chosen": [], "rejected": []}
     rows = []
-    for i in range(len(source)):
-        rep.total += 1
-        try:
+    for lo in range(0, len(source), _CHUNK):
+        # Validate a chunk, tokenise both sides of its good pairs in one call, account in row order.
+        hi = min(lo + _CHUNK, len(source))
+        problems: dict[int, RowProblem] = {}
+        convs: dict[int, tuple] = {}
+        for i in range(lo, hi):
             try:
-                row = source[i]
-            except RowDecodeError as e:
-                raise RowProblem(R.INVALID_JSON, str(e)) from None
-            prompt, chosen, rejected = preference_conversations(row)
-            out, cut = {}, False
-            for key, completion in zip(SIDES, (chosen, rejected)):
-                ids, mask = tokenize_conversation(tokenizer, prompt + completion, n_prompt=len(prompt))
-                if not mask[1:].any():
-                    raise RowProblem(R.EMPTY_COMPLETION, f"the chat template left no {key} token to train on")
-                ids, mask, was_cut = fit_length(ids, mask, seq_len + 1, truncate)
-                out[key] = (ids, mask)
-                cut = cut or was_cut
-        except RowProblem as p:
-            where = source.where(i) if hasattr(source, "where") else f"row {i}"
-            rep.add(p.reason, i, where, p.problem)
-            continue
-        rep.good += 1
-        rep.truncated += int(cut)
-        for key in SIDES:
-            sides[key].append(out[key])
-        rows.append(i)
+                try:
+                    row = source[i]
+                except RowDecodeError as e:
+                    raise RowProblem(R.INVALID_JSON, str(e)) from None
+                convs[i] = preference_conversations(row)
+            except RowProblem as p:
+                problems[i] = p
+        flat = [(prompt + completion, len(prompt)) for prompt, chosen, rejected in convs.values()
+                for completion in (chosen, rejected)]
+        tokens = tokenize_conversations(tokenizer, flat)
+        tokenised = {i: (tokens[2 * k], tokens[2 * k + 1]) for k, i in enumerate(convs)}
+        for i in range(lo, hi):
+            rep.total += 1
+            try:
+                if i in problems:
+                    raise problems[i]
+                out, cut = {}, False
+                for key, (ids, mask) in zip(SIDES, tokenised[i]):
+                    if not mask[1:].any():
+                        raise RowProblem(R.EMPTY_COMPLETION, f"the chat template left no {key} token to train on")
+                    ids, mask, was_cut = fit_length(ids, mask, seq_len + 1, truncate)
+                    out[key] = (ids, mask)
+                    cut = cut or was_cut
+            except RowProblem as p:
+                where = source.where(i) if hasattr(source, "where") else f"row {i}"
+                rep.add(p.reason, i, where, p.problem)
+                continue
+            rep.good += 1
+            rep.truncated += int(cut)
+            for key in SIDES:
+                sides[key].append(out[key])
+            rows.append(i)
     rep.finish(max_bad_fraction)
     return PreferencePairs(TokenizedRows(sides["chosen"], rows), TokenizedRows(sides["rejected"], rows)), rep
 
