@@ -1,10 +1,12 @@
-"""Portable grouped matmul in plain XLA: sorted rows, one row tile per loop step.
+"""Portable grouped matmul in plain XLA: sorted rows, per-group blocked matmuls.
 
 `lax.ragged_dot` on XLA:CPU multiplies every row by every expert and masks (cost grows
-with the number of experts). Here a `while_loop` walks the (tile, group) work list of
-`metadata.py` and multiplies one `tm`-row tile by its group's weights, so the work is
-the active FLOPs plus at most (G - 1) partial tiles. Each step is one ordinary dot
-that XLA runs multi-threaded; the output tile is written in place.
+with the number of experts). Here an outer loop walks the groups and an inner loop
+walks the group's rows in tiles of `tm` that start at the group's first row, so each
+step is one ordinary (tm x K) @ (K x N) dot that XLA runs multi-threaded, the group's
+weight slice is taken once per group, and the work is the active FLOPs plus at most one
+partial tile per group. Output tiles are written in place (dynamic_update_slice in a
+while loop); a tile's rows past its group are left for the next group to overwrite.
 """
 
 from __future__ import annotations
@@ -12,20 +14,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .metadata import make_group_metadata, round_up
-
-
-def _row_mask(meta, g, tile, tm):
-    rows = tile * tm + jnp.arange(tm, dtype=jnp.int32)
-    return (rows >= meta.offsets_Gp1[g]) & (rows < meta.offsets_Gp1[g + 1])
-
-
-def _pad_rows(x, m_pad):
-    return x if x.shape[0] == m_pad else jnp.pad(x, ((0, m_pad - x.shape[0]), (0, 0)))
+from .metadata import round_up
 
 
 def pick_tm(m: int, n_groups: int, tm: int | None) -> int:
-    """Row tile: large enough to amortise a loop step, small enough that the (G-1) partial
+    """Row tile: large enough to amortise a loop step, small enough that the G partial
     tiles stay a small fraction of the rows (about a quarter of the mean group size)."""
     if tm is None:
         tm = 512
@@ -34,28 +27,47 @@ def pick_tm(m: int, n_groups: int, tm: int | None) -> int:
     return min(tm, round_up(max(m, 1), 8))
 
 
+def _offsets(group_sizes_G, m):
+    ends = jnp.minimum(jnp.cumsum(group_sizes_G.astype(jnp.int32)), m)
+    return jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
+
+
+def _pad_rows(x, rows):
+    # tm extra rows so that a tile starting at any row < m is never clamped by dynamic_slice.
+    return jnp.pad(x, ((0, rows), (0, 0)))
+
+
+def _tile_mask(start, end, r0, tm):
+    rows = r0 + jnp.arange(tm, dtype=jnp.int32)
+    return ((rows >= start) & (rows < end))[:, None]
+
+
 def gmm(lhs_MxK, rhs_GxKxN, group_sizes_G, *, transpose_rhs=False, out_dtype=None, tm=None):
     """out[m] = lhs[m] @ rhs[group(m)] (or @ rhs[g].T); rows past the groups are zero."""
-    M, K = lhs_MxK.shape
+    M, _ = lhs_MxK.shape
     G = rhs_GxKxN.shape[0]
     N = rhs_GxKxN.shape[1] if transpose_rhs else rhs_GxKxN.shape[2]
     out_dtype = out_dtype or lhs_MxK.dtype
     tm = pick_tm(M, G, tm)
-    m_pad = round_up(M, tm)
-    lhs = _pad_rows(lhs_MxK, m_pad)
-    meta = make_group_metadata(group_sizes_G, m_pad, tm)
+    lhs = _pad_rows(lhs_MxK, tm)
+    offs = _offsets(group_sizes_G, M)
     contract = (((1,), (1 if transpose_rhs else 0,)), ((), ()))
 
-    def body(w, out):
-        g, t = meta.group_ids_W[w], meta.tile_ids_W[w]
-        x = jax.lax.dynamic_slice_in_dim(lhs, t * tm, tm)
-        y = jax.lax.dot_general(x, rhs_GxKxN[g], contract, preferred_element_type=jnp.float32)
-        old = jax.lax.dynamic_slice_in_dim(out, t * tm, tm)
-        new = jnp.where(_row_mask(meta, g, t, tm)[:, None], y.astype(out_dtype), old)
-        return jax.lax.dynamic_update_slice_in_dim(out, new, t * tm, 0)
+    def group_body(g, out):
+        start, end = offs[g], offs[g + 1]
+        w = rhs_GxKxN[g]
+
+        def tile_body(i, out):
+            r0 = start + i * tm
+            x = jax.lax.dynamic_slice_in_dim(lhs, r0, tm)
+            y = jax.lax.dot_general(x, w, contract, preferred_element_type=jnp.float32).astype(out_dtype)
+            old = jax.lax.dynamic_slice_in_dim(out, r0, tm)
+            return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(_tile_mask(start, end, r0, tm), y, old), r0, 0)
+
+        return jax.lax.fori_loop(0, (end - start + tm - 1) // tm, tile_body, out)
 
     # zeros_like keeps lhs's varying-manual-axes type, so the loop also works inside shard_map.
-    out = jax.lax.fori_loop(0, meta.num_work, body, jnp.zeros_like(lhs, out_dtype, (m_pad, N)))
+    out = jax.lax.fori_loop(0, G, group_body, jnp.zeros_like(lhs, out_dtype, (M + tm, N)))
     return out[:M]
 
 
@@ -66,17 +78,21 @@ def tgmm(lhs_MxK, dout_MxN, group_sizes_G, *, out_dtype=None, tm=None):
     G = group_sizes_G.shape[0]
     out_dtype = out_dtype or lhs_MxK.dtype
     tm = pick_tm(M, G, tm)
-    m_pad = round_up(M, tm)
-    lhs, dout = _pad_rows(lhs_MxK, m_pad), _pad_rows(dout_MxN, m_pad)
-    meta = make_group_metadata(group_sizes_G, m_pad, tm)
+    lhs, dout = _pad_rows(lhs_MxK, tm), _pad_rows(dout_MxN, tm)
+    offs = _offsets(group_sizes_G, M)
 
-    def body(w, acc):
-        g, t = meta.group_ids_W[w], meta.tile_ids_W[w]
-        mask = _row_mask(meta, g, t, tm)[:, None]
-        x = jnp.where(mask, jax.lax.dynamic_slice_in_dim(lhs, t * tm, tm), 0)
-        d = jax.lax.dynamic_slice_in_dim(dout, t * tm, tm)
-        part = jax.lax.dot_general(x, d, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        return acc.at[g].add(part)
+    def group_body(g, out):
+        start, end = offs[g], offs[g + 1]
 
-    acc = jax.lax.fori_loop(0, meta.num_work, body, jnp.zeros_like(lhs, jnp.float32, (G, K, N)))
-    return acc.astype(out_dtype)
+        def tile_body(i, acc):
+            r0 = start + i * tm
+            mask = _tile_mask(start, end, r0, tm)
+            # Both operands masked: the next group's rows must not leak in, even as inf * 0.
+            x = jnp.where(mask, jax.lax.dynamic_slice_in_dim(lhs, r0, tm), 0)
+            d = jnp.where(mask, jax.lax.dynamic_slice_in_dim(dout, r0, tm), 0)
+            return acc + jax.lax.dot_general(x, d, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+        acc = jax.lax.fori_loop(0, (end - start + tm - 1) // tm, tile_body, jnp.zeros_like(lhs, jnp.float32, (K, N)))
+        return jax.lax.dynamic_update_index_in_dim(out, acc.astype(out_dtype), g, 0)
+
+    return jax.lax.fori_loop(0, G, group_body, jnp.zeros_like(lhs, out_dtype, (G, K, N)))
