@@ -22,6 +22,7 @@ and `grain.checkpoint.CheckpointHandler` saves it in the Orbax checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
@@ -31,7 +32,7 @@ import numpy as np
 
 from ptrain.config.data import DataConfig
 from ptrain.data import tasks
-from ptrain.data.chat import TokenizedRows, prompt_ids, sft_conversation, tokenize_sft_rows
+from ptrain.data.chat import RowProblem, TokenizedRows, prompt_ids, sft_conversation, tokenize_sft_rows
 from ptrain.data.report import BadRowReport
 from ptrain.data.sources import ListSource, open_source
 
@@ -82,6 +83,7 @@ def open_split(cfg: DataConfig, split: str):
 # --------------------------------------------------------------------------- tokenised examples
 
 _CACHE: dict[tuple, tuple[Any, BadRowReport]] = {}
+_CACHE_SIZE = 8  # splits x settings kept per process (train + eval of an SFT and a DPO stage fit)
 
 
 def _cache_key(cfg: DataConfig, tokenizer, split: str, seq_len: int, what: str) -> tuple:
@@ -92,8 +94,23 @@ def _cache_key(cfg: DataConfig, tokenizer, split: str, seq_len: int, what: str) 
         path = cfg.train_path if split == "train" else cfg.eval_path
         st = os.stat(path) if path and os.path.exists(path) else None
         where = (cfg.source, path, st.st_mtime_ns if st else None, st.st_size if st else None)
-    return (what, where, split, id(tokenizer), cfg.format, seq_len, cfg.truncate, cfg.bad_rows,
+    return (what, where, split, tokenizer_fingerprint(tokenizer), cfg.format, seq_len, cfg.truncate, cfg.bad_rows,
             cfg.max_bad_fraction, cfg.report_rows)
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Hash of the tokenizer's vocabulary, merges, special tokens and chat template."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    body = backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))
+    text = body + "\0" + str(getattr(tokenizer, "chat_template", None))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _remember(key: tuple, value: tuple) -> tuple:
+    while len(_CACHE) >= _CACHE_SIZE:
+        _CACHE.pop(next(iter(_CACHE)))  # the oldest entry
+    _CACHE[key] = value
+    return value
 
 
 def sft_examples(cfg: DataConfig, tokenizer, *, seq_len: int, split: str = "train"
@@ -103,9 +120,9 @@ def sft_examples(cfg: DataConfig, tokenizer, *, seq_len: int, split: str = "trai
     if key not in _CACHE:
         source = open_split(cfg, split)
         name = getattr(source, "path", None) or getattr(source, "name", split)
-        _CACHE[key] = tokenize_sft_rows(source, tokenizer, fmt=cfg.format, seq_len=seq_len, truncate=cfg.truncate,
-                                        bad_rows=cfg.bad_rows, max_bad_fraction=cfg.max_bad_fraction,
-                                        report_rows=cfg.report_rows, name=name)
+        _remember(key, tokenize_sft_rows(source, tokenizer, fmt=cfg.format, seq_len=seq_len, truncate=cfg.truncate,
+                                         bad_rows=cfg.bad_rows, max_bad_fraction=cfg.max_bad_fraction,
+                                         report_rows=cfg.report_rows, name=name))
     return _CACHE[key]
 
 
@@ -308,7 +325,7 @@ def make_eval_prompts(cfg: DataConfig, tokenizer, *, split: str = "eval", limit:
 
     Rows that are bad for SFT are skipped here (the SFT report already counts them).
     """
-    from ptrain.data.chat import RowProblem
+    from ptrain.data.preference import preference_conversations  # preference imports this module
 
     source = open_split(cfg, split)
     out: list[EvalPrompt] = []
@@ -318,7 +335,6 @@ def make_eval_prompts(cfg: DataConfig, tokenizer, *, split: str = "eval", limit:
         try:
             row = source[i]
             if cfg.format == "preference" or "chosen" in row:
-                from ptrain.data.preference import preference_conversations
                 prompt, chosen, _ = preference_conversations(row)
                 reference = chosen[-1]["content"]
             else:

@@ -33,6 +33,7 @@ from ptrain.data.pipeline import (
     _examples_dataset,
     _finish,
     _pad,
+    _remember,
     open_split,
 )
 from ptrain.data.report import BadRowReport
@@ -134,9 +135,9 @@ def preference_examples(cfg: DataConfig, tokenizer, *, seq_len: int, split: str 
     if key not in _CACHE:
         source = open_split(cfg, split)
         name = getattr(source, "path", None) or getattr(source, "name", split)
-        _CACHE[key] = tokenize_preference_rows(source, tokenizer, seq_len=seq_len, truncate=cfg.truncate,
-                                               bad_rows=cfg.bad_rows, max_bad_fraction=cfg.max_bad_fraction,
-                                               report_rows=cfg.report_rows, name=name)
+        _remember(key, tokenize_preference_rows(source, tokenizer, seq_len=seq_len, truncate=cfg.truncate,
+                                                bad_rows=cfg.bad_rows, max_bad_fraction=cfg.max_bad_fraction,
+                                                report_rows=cfg.report_rows, name=name))
     return _CACHE[key]
 
 
