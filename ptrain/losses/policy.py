@@ -123,8 +123,8 @@ def kl_penalty(logp_BxL: jax.Array, ref_logp_BxL: jax.Array, estimator: str = "k
 
 
 def _check_policy_args(logp, mask, advantages, named, *, objective, clip_low, clip_high, dual_clip, ratio_level,
-                       aggregation, norm_constant, kl_coef, kl_estimator, entropy_coef, is_correction, is_level,
-                       is_low, is_high, max_seq_mult_prob_error):
+                       aggregation, norm_constant, denominator, kl_coef, kl_estimator, entropy_coef, is_correction,
+                       is_level, is_low, is_high, max_seq_mult_prob_error):
   if logp.ndim != 2:
     raise ValueError(f"logp must be [B, L] per-token log-probs, got shape {tuple(logp.shape)}.")
   if mask.shape != logp.shape:
@@ -149,6 +149,9 @@ def _check_policy_args(logp, mask, advantages, named, *, objective, clip_low, cl
       raise ValueError("dual_clip applies to objective='ppo' only; set it to None.")
     if not dual_clip > 1.0:
       raise ValueError(f"dual_clip must be > 1 (a bound on -A r for negative advantages), got {dual_clip!r}.")
+  for name, value in (("norm_constant", norm_constant), ("denominator", denominator)):
+    if isinstance(value, (int, float)) and not value > 0:
+      raise ValueError(f"{name} must be > 0 (it divides the loss), got {value!r}.")
   if norm_constant is not None and aggregation != "seq_mean_token_sum_norm":
     raise ValueError(f"norm_constant is only used by aggregation='seq_mean_token_sum_norm', not {aggregation!r}.")
   if kl_coef < 0 or entropy_coef < 0:
@@ -270,9 +273,10 @@ def policy_loss(logp: jax.Array, old_logp: jax.Array | None, advantages: jax.Arr
   named = dict(old_logp=old_logp, ref_logp=ref_logp, entropy=entropy, engine_logp=engine_logp)
   _check_policy_args(logp, mask, advantages, named, objective=objective, clip_low=clip_low, clip_high=clip_high,
                      dual_clip=dual_clip, ratio_level=ratio_level, aggregation=aggregation,
-                     norm_constant=norm_constant, kl_coef=kl_coef, kl_estimator=kl_estimator,
-                     entropy_coef=entropy_coef, is_correction=is_correction, is_level=is_level, is_low=is_low,
-                     is_high=is_high, max_seq_mult_prob_error=max_seq_mult_prob_error)
+                     norm_constant=norm_constant, denominator=denominator, kl_coef=kl_coef,
+                     kl_estimator=kl_estimator, entropy_coef=entropy_coef, is_correction=is_correction,
+                     is_level=is_level, is_low=is_low, is_high=is_high,
+                     max_seq_mult_prob_error=max_seq_mult_prob_error)
   f32 = jnp.float32
   mask = mask.astype(f32)
   # Padding may hold anything (-inf log-probs, NaN from an engine): zero it before any arithmetic, so

@@ -139,6 +139,8 @@ def sft_loss_from_stats(stats: VocabStats, loss_mask_BxL: jax.Array, *, aggregat
   if aggregation == "sum" and norm_constant is None:
     raise ValueError("aggregation='sum' divides by norm_constant; pass norm_constant= (e.g. the global "
                      "token count, or batch_size * max_length).")
+  if isinstance(norm_constant, (int, float)) and not norm_constant > 0:
+    raise ValueError(f"norm_constant must be > 0 (it divides the summed loss), got {norm_constant!r}.")
   if aggregation != "sum" and norm_constant is not None:
     raise ValueError(f"norm_constant is only used with aggregation='sum', not {aggregation!r}; drop it.")
   if aggregation == "sequence_mean" and stats.logp.ndim != 2:

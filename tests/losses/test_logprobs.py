@@ -83,7 +83,8 @@ def test_gradients_match_autodiff_of_plain_softmax(data):
 
 def test_check_grads_logits(data):
   f = functools.partial(vocab_stats, target_ids_BxL=data["targets"], chunk_size=4)
-  check_grads(jax.jit(lambda z: _stats_objective(f(z))), (data["logits"],), order=1, modes=("rev",), atol=1e-2, rtol=1e-2)
+  check_grads(jax.jit(lambda z: _stats_objective(f(z))), (data["logits"],), order=1, modes=("rev",),
+              atol=1e-2, rtol=1e-2)
 
 
 def test_hidden_variant_matches_logits_values_and_grads(data):

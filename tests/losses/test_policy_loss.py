@@ -303,6 +303,7 @@ def test_bad_inputs_raise_clear_errors(rollout):
       (dict(dual_clip=0.5), "dual_clip must be > 1"),
       (dict(objective="cispo", dual_clip=3.0), "objective='ppo' only"),
       (dict(norm_constant=10.0), "seq_mean_token_sum_norm"),
+      (dict(denominator=0), "denominator must be > 0"),
       (dict(engine_logp=r["engine"], is_correction="tis", is_low=0.5), "is_low is a masking bound"),
       (dict(engine_logp=r["engine"], max_seq_mult_prob_error=0.5), ">= 1"),
       (dict(kl_estimator="k4", ref_logp=r["ref"]), "kl_estimator must be one of"),

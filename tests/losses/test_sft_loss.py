@@ -146,6 +146,8 @@ def test_bad_inputs_raise_clear_errors(batch):
     sft_loss(*args, aggregation="mean")
   with pytest.raises(ValueError, match="pass norm_constant"):
     sft_loss(*args, aggregation="sum")
+  with pytest.raises(ValueError, match="norm_constant must be > 0"):
+    sft_loss(*args, aggregation="sum", norm_constant=0.0)
   with pytest.raises(ValueError, match="only used with aggregation='sum'"):
     sft_loss(*args, norm_constant=3.0)
   with pytest.raises(ValueError, match="label_smoothing"):
