@@ -6,13 +6,17 @@ real backends (Mosaic for TPU, Triton for CUDA) is checked too: it runs the Pall
 lowering rules on CPU without a device (layout and VMEM limits still need the chip).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from moe_gmm_checks import CASES, GROUP_SIZES, check_gmm
 
-from ptrain.kernels.moe import pallas_gpu, pallas_tpu
+from ptrain.kernels import moe
+from ptrain.kernels.moe import pallas_gpu, pallas_tpu, reference
 
 # Small tiles so that the 40x32x24 problem spans several row, k and n tiles (few grid steps).
 TILINGS = {"pallas_tpu_interpret": (8, 16, 24), "pallas_gpu_interpret": (16, 16, 16)}
@@ -51,3 +55,23 @@ def test_kernels_lower_for_the_real_backend(platform, module):
     ):
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
         assert "ptrain_" in text or "custom_call" in text
+
+
+@pytest.mark.parametrize("impl", list(TILINGS))
+def test_moe_ffn_with_pallas_kernels(impl):
+    T, D, F, E, k = 16, 32, 16, 4, 2
+    ks = jax.random.split(jax.random.PRNGKey(3), 5)
+    x = jax.random.normal(ks[0], (T, D))
+    r = moe.route(jax.random.normal(ks[1], (T, E)), top_k=k)
+    ws = (jax.random.normal(ks[2], (E, D, F)) / 4, jax.random.normal(ks[3], (E, D, F)) / 4,
+          jax.random.normal(ks[4], (E, F, D)) / 4)
+
+    def loss(fn, x, *w):
+        return jnp.sum(fn(x, r.expert_ids_Txk, r.weights_Txk, *w) ** 2)
+
+    got = jax.jit(jax.value_and_grad(
+        lambda *a: loss(functools.partial(moe.moe_ffn, implementation=impl), *a), argnums=(0, 1, 2, 3)))(x, *ws)
+    want = jax.value_and_grad(lambda *a: loss(reference.moe_ffn, *a), argnums=(0, 1, 2, 3))(x, *ws)
+    np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5)
+    for a, b in zip(got[1], want[1]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
