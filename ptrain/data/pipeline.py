@@ -277,6 +277,9 @@ def make_sft_dataset(cfg: DataConfig, tokenizer, *, batch_size: int, seq_len: in
     """
     if batch_size < 1 or seq_len < 2:
         raise ValueError(f"need batch_size >= 1 and seq_len >= 2, got {batch_size} and {seq_len}")
+    if cfg.format == "preference":
+        raise ValueError("data.format=preference is for DPO stages (make_preference_iterator); an SFT stage needs "
+                         "chat, prompt_completion or auto")
     examples, rep = sft_examples(cfg, tokenizer, seq_len=seq_len, split=split)
     seed = cfg.shuffle_seed if seed is None else seed
     train = split == "train"

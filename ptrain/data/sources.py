@@ -52,6 +52,8 @@ class JsonlSource:
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         raw = os.pread(self._fd, self._lengths[index], self._offsets[index])
+        if index == 0 and raw.startswith(b"\xef\xbb\xbf"):
+            raw = raw[3:]  # a UTF-8 byte-order mark (some editors write one) is not part of the row
         try:
             row = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:

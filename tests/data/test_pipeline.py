@@ -255,3 +255,8 @@ def test_prompt_iterator_for_rl_shuffles_covers_and_resumes(tokenizer, make_cfg)
     fresh = make_prompt_iterator(cfg, tokenizer, batch_size=8, seed=5)
     fresh.set_state(state)
     assert [p.row for p in next(fresh)] == want
+
+
+def test_preference_format_in_an_sft_stage_is_refused(tokenizer, make_cfg):
+    with pytest.raises(ValueError, match="DPO stages"):
+        make_sft_iterator(make_cfg(format="preference"), tokenizer, batch_size=B, seq_len=L)

@@ -95,3 +95,10 @@ def test_missing_file_errors_name_the_path(tmp_path):
 def test_list_source():
     src = ListSource(ROWS[:3], name="mem")
     assert len(src) == 3 and src[2] == ROWS[2] and src.where(1) == "mem row 1"
+
+
+def test_jsonl_tolerates_a_byte_order_mark_and_crlf(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"a": 1}\r\n{"a": 2}\r\n')
+    src = JsonlSource(str(path))
+    assert [src[0], src[1]] == [{"a": 1}, {"a": 2}]
