@@ -6,17 +6,18 @@ position, the statistics all losses need:
   logp     = z[y] - logsumexp(z)                       log-probability of the given token y
   entropy  = logsumexp(z) - sum_v softmax(z)_v z_v      entropy of the predictive distribution
   lse      = logsumexp(z)                               log-normaliser (z-loss, PaLM 2204.02311)
-  mean_z   = (1/V) sum_v z_v                            (label smoothing's uniform term)
-  is_argmax = z[y] == max_v z_v                         (token accuracy)
+  mean_logit = (1/V) sum_v z_v                         (label smoothing's uniform term)
+  is_argmax  = 1[z[y] == max_v z_v]                     (token accuracy)
 
 with z = logits / temperature. The log-sum-exp is computed online (running max m,
 running sum s = sum exp(z - m), and t = sum exp(z - m) (z - m) for the entropy) so
 no full-vocabulary softmax is ever materialised; the log-prob is formed as
 (z[y] - m) - log s, never as z[y] - (m + log s), which keeps it exact to float32
-resolution of the *difference* even at |z| ~ 1e4.
+resolution of the *difference* even at |z| ~ 1e4. Logits of -inf (a masked vocabulary
+entry) get probability 0 without NaN in values or gradients.
 
 The gradient is a custom VJP that recomputes the softmax chunk by chunk:
-  d/dz_v = g_logp (1[v=y] - p_v) + g_H p_v (lse - H - z_v) + g_lse p_v + g_mean / V.
+  d/dz_v = g_logp (1[v=y] - p_v) + g_H p_v (lse - H - z_v) + g_lse p_v + g_mean_logit / V.
 
 Two entry points:
   `vocab_stats(logits_BxLxV, ...)`           logits already materialised.
@@ -318,8 +319,10 @@ def vocab_stats_from_hidden(hidden_BxLxD: jax.Array, head_DxV: jax.Array, target
     temperature: logits are divided by it.
 
   Returns:
-    `VocabStats`; differentiable in `hidden_BxLxD` and `head_DxV` (custom VJP that recomputes
-    each logits chunk, FLOPs = 3x the plain matmul).
+    `VocabStats`; differentiable in `hidden_BxLxD` and `head_DxV`. The backward pass recomputes
+    each logits chunk, so forward + backward cost four head-sized matmuls against three with
+    materialised logits (measured in docs/perf_losses.md: about the same time on CPU, a tenth
+    of the memory).
   """
   if head_DxV.ndim != 2 or head_DxV.shape[0] != hidden_BxLxD.shape[-1]:
     raise ValueError(f"head_DxV must be [D, V] with D = hidden size {hidden_BxLxD.shape[-1]}, got shape "
