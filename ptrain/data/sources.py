@@ -48,7 +48,7 @@ class JsonlSource:
         return self._lines[index]
 
     def where(self, index: int) -> str:
-        return f"{os.path.basename(self.path)} row {index} (line {self._lines[index]})"
+        return f"{self.path} row {index} (line {self._lines[index]})"
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         raw = os.pread(self._fd, self._lengths[index], self._offsets[index])
@@ -98,7 +98,7 @@ class ParquetSource:
         return self._table.num_rows
 
     def where(self, index: int) -> str:
-        return f"{os.path.basename(self.path)} row {index}"
+        return f"{self.path} row {index}"
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         if not 0 <= index < len(self):
