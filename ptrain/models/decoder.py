@@ -86,6 +86,7 @@ def validate_config(cfg: ModelConfig) -> None:
     for ok, msg in checks:
         if not ok:
             raise ValueError(msg)
+    rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)  # raises on an unsupported rope type
 
 
 class Block(nnx.Module):
