@@ -62,9 +62,13 @@ def write_generated(cfg: DataConfig, out_dir: str) -> DataConfig:
     if cfg.source != "generated":
         return cfg
     prefix = "preference_" if cfg.format == "preference" else ""
+    g = cfg.generated
+    splits = tasks.generate_records(g.n_train, g.n_eval, kind="preference" if prefix else "chat", ops=tuple(g.ops),
+                                    min_digits=g.min_digits, max_digits=g.max_digits, seed=g.seed)
     paths = {}
-    for split in SPLITS:
-        paths[split] = tasks.write_jsonl(generated_records(cfg, split), os.path.join(out_dir, f"{prefix}{split}.jsonl"))
+    for split, records in zip(SPLITS, splits):
+        # Same rows as on disk (a resumed run): leave the file alone, so its mtime stays.
+        paths[split] = tasks.write_jsonl(records, os.path.join(out_dir, f"{prefix}{split}.jsonl"), if_changed=True)
     return dataclasses.replace(cfg, source="jsonl", train_path=paths["train"], eval_path=paths["eval"])
 
 

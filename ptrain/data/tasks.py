@@ -223,13 +223,21 @@ def generate_records(n_train: int, n_eval: int, *, kind: str = "chat", ops: Sequ
     raise ValueError(f"unknown record kind '{kind}'; pass chat or preference")
 
 
-def write_jsonl(records: Iterable[dict[str, Any]], path: str) -> str:
-    """Write records one JSON object per line (atomically: temp file, then rename)."""
+def write_jsonl(records: Iterable[dict[str, Any]], path: str, *, if_changed: bool = False) -> str:
+    """Write records one JSON object per line (atomically: temp file, then rename).
+
+    if_changed: leave an existing file with exactly this content untouched.
+    """
+    text = "".join(json.dumps(r, ensure_ascii=False, separators=(", ", ": ")) + "\n" for r in records)
+    data = text.encode("utf-8")
+    if if_changed and os.path.isfile(path) and os.path.getsize(path) == len(data):
+        with open(path, "rb") as f:
+            if f.read() == data:
+                return path
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r, ensure_ascii=False, separators=(", ", ": ")) + "\n")
+    with open(tmp, "wb") as f:
+        f.write(data)
     os.replace(tmp, path)
     return path
 

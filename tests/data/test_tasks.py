@@ -103,3 +103,15 @@ def test_examples_are_short_enough_for_the_tiny_model(tokenizer):
                                       seed=random.Random(0).randrange(100))
     lengths = [len(tokenize_conversation(tokenizer, r["messages"])[0]) for r in train]
     assert 40 <= min(lengths) and max(lengths) <= 96, (min(lengths), max(lengths))
+
+
+def test_write_jsonl_if_changed_keeps_an_identical_file(tmp_path):
+    import os
+
+    train, _ = tasks.generate_records(20, 5, seed=0)
+    path = tasks.write_jsonl(train, str(tmp_path / "t.jsonl"))
+    os.utime(path, ns=(1, 1))
+    tasks.write_jsonl(train, path, if_changed=True)
+    assert os.stat(path).st_mtime_ns == 1
+    tasks.write_jsonl(train[:5], path, if_changed=True)
+    assert os.stat(path).st_mtime_ns != 1 and len(open(path).readlines()) == 5
