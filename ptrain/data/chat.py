@@ -19,7 +19,7 @@ in `TokenizedRows`, a random-access source for the Grain pipeline.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -255,6 +255,47 @@ def _where(source, index: int) -> str:
     return source.where(index) if hasattr(source, "where") else f"row {index}"
 
 
+def tokenize_pass(source, *, parse: Callable[[dict], Any], tokenize: Callable[[list], list],
+                  check: Callable[[Any], tuple[Any, bool]], report: BadRowReport, max_bad_fraction: float
+                  ) -> tuple[list[Any], list[int]]:
+    """One validation + tokenisation pass over source, in chunks, accounting rows in order.
+
+    parse(row) validates one row (raises RowProblem); tokenize(parsed rows) tokenises a
+    chunk's good rows in one call; check(tokenised) returns (example, was_truncated) or
+    raises RowProblem. Returns (examples, source row index of each) and fills report.
+    """
+    examples, rows = [], []
+    for lo in range(0, len(source), _CHUNK):
+        hi = min(lo + _CHUNK, len(source))
+        problems: dict[int, RowProblem] = {}
+        parsed: dict[int, Any] = {}
+        for i in range(lo, hi):
+            try:
+                try:
+                    row = source[i]
+                except RowDecodeError as e:
+                    raise RowProblem(R.INVALID_JSON, str(e)) from None
+                parsed[i] = parse(row)
+            except RowProblem as p:
+                problems[i] = p
+        tokenised = dict(zip(parsed, tokenize(list(parsed.values()))))
+        for i in range(lo, hi):
+            report.total += 1
+            try:
+                if i in problems:
+                    raise problems[i]
+                example, cut = check(tokenised[i])
+            except RowProblem as p:
+                report.add(p.reason, i, _where(source, i), p.problem)
+                continue
+            report.good += 1
+            report.truncated += int(cut)
+            examples.append(example)
+            rows.append(i)
+    report.finish(max_bad_fraction)
+    return examples, rows
+
+
 def tokenize_sft_rows(source, tokenizer, *, fmt: str, seq_len: int, truncate: bool, bad_rows: str = "skip",
                       max_bad_fraction: float = 0.5, report_rows: int = 10, name: Optional[str] = None
                       ) -> tuple[TokenizedRows, BadRowReport]:
@@ -262,37 +303,16 @@ def tokenize_sft_rows(source, tokenizer, *, fmt: str, seq_len: int, truncate: bo
 
     (seq_len + 1 tokens give seq_len next-token pairs.) Raises BadRowError per the policy.
     """
+
+    def check(tokens: tuple[np.ndarray, np.ndarray]):
+        ids, mask = tokens
+        if not mask[1:].any():
+            raise RowProblem(R.EMPTY_ASSISTANT, "the chat template left no assistant token to train on")
+        ids, mask, cut = fit_length(ids, mask, seq_len + 1, truncate)
+        return (ids, mask), cut
+
     rep = BadRowReport(source=name or repr(source), policy=bad_rows, keep_rows=report_rows)
-    examples, rows = [], []
-    for lo in range(0, len(source), _CHUNK):
-        # Validate a chunk, tokenise its good rows in one call, then account in row order.
-        problems: dict[int, RowProblem] = {}
-        convs: dict[int, tuple[list[dict[str, Any]], int]] = {}
-        for i in range(lo, min(lo + _CHUNK, len(source))):
-            try:
-                try:
-                    row = source[i]
-                except RowDecodeError as e:
-                    raise RowProblem(R.INVALID_JSON, str(e)) from None
-                convs[i] = sft_conversation(row, fmt)
-            except RowProblem as p:
-                problems[i] = p
-        tokenised = dict(zip(convs, tokenize_conversations(tokenizer, list(convs.values()))))
-        for i in range(lo, min(lo + _CHUNK, len(source))):
-            rep.total += 1
-            try:
-                if i in problems:
-                    raise problems[i]
-                ids, mask = tokenised[i]
-                if not mask[1:].any():
-                    raise RowProblem(R.EMPTY_ASSISTANT, "the chat template left no assistant token to train on")
-                ids, mask, cut = fit_length(ids, mask, seq_len + 1, truncate)
-            except RowProblem as p:
-                rep.add(p.reason, i, _where(source, i), p.problem)
-                continue
-            rep.good += 1
-            rep.truncated += int(cut)
-            examples.append((ids, mask))
-            rows.append(i)
-    rep.finish(max_bad_fraction)
+    examples, rows = tokenize_pass(source, parse=lambda row: sft_conversation(row, fmt),
+                                   tokenize=lambda convs: tokenize_conversations(tokenizer, convs), check=check,
+                                   report=rep, max_bad_fraction=max_bad_fraction)
     return TokenizedRows(examples, rows), rep

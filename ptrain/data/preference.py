@@ -24,7 +24,14 @@ import numpy as np
 
 from ptrain.config.data import DataConfig
 from ptrain.data import report as R
-from ptrain.data.chat import _CHUNK, RowProblem, TokenizedRows, as_messages, fit_length, tokenize_conversations
+from ptrain.data.chat import (
+    RowProblem,
+    TokenizedRows,
+    as_messages,
+    fit_length,
+    tokenize_conversations,
+    tokenize_pass,
+)
 from ptrain.data.pipeline import (
     DataIterator,
     _READ,
@@ -37,7 +44,6 @@ from ptrain.data.pipeline import (
     open_split,
 )
 from ptrain.data.report import BadRowReport
-from ptrain.data.sources import RowDecodeError
 
 SIDES = ("chosen", "rejected")
 
@@ -82,50 +88,27 @@ def tokenize_preference_rows(source, tokenizer, *, seq_len: int, truncate: bool,
                              max_bad_fraction: float = 0.5, report_rows: int = 10, name: Optional[str] = None
                              ) -> tuple[PreferencePairs, BadRowReport]:
     """Validate and tokenise every pair; each side holds at most seq_len + 1 tokens."""
-    rep = BadRowReport(source=name or repr(source), policy=bad_rows, keep_rows=report_rows)
-    sides: dict[str, list] = {"chosen": [], "rejected": []}
-    rows = []
-    for lo in range(0, len(source), _CHUNK):
-        # Validate a chunk, tokenise both sides of its good pairs in one call, account in row order.
-        hi = min(lo + _CHUNK, len(source))
-        problems: dict[int, RowProblem] = {}
-        convs: dict[int, tuple] = {}
-        for i in range(lo, hi):
-            try:
-                try:
-                    row = source[i]
-                except RowDecodeError as e:
-                    raise RowProblem(R.INVALID_JSON, str(e)) from None
-                convs[i] = preference_conversations(row)
-            except RowProblem as p:
-                problems[i] = p
-        flat = [(prompt + completion, len(prompt)) for prompt, chosen, rejected in convs.values()
+
+    def tokenize(convs: list[tuple[list, list, list]]) -> list:
+        flat = [(prompt + completion, len(prompt)) for prompt, chosen, rejected in convs
                 for completion in (chosen, rejected)]
         tokens = tokenize_conversations(tokenizer, flat)
-        tokenised = {i: (tokens[2 * k], tokens[2 * k + 1]) for k, i in enumerate(convs)}
-        for i in range(lo, hi):
-            rep.total += 1
-            try:
-                if i in problems:
-                    raise problems[i]
-                out, cut = {}, False
-                for key, (ids, mask) in zip(SIDES, tokenised[i]):
-                    if not mask[1:].any():
-                        raise RowProblem(R.EMPTY_COMPLETION, f"the chat template left no {key} token to train on")
-                    ids, mask, was_cut = fit_length(ids, mask, seq_len + 1, truncate)
-                    out[key] = (ids, mask)
-                    cut = cut or was_cut
-            except RowProblem as p:
-                where = source.where(i) if hasattr(source, "where") else f"row {i}"
-                rep.add(p.reason, i, where, p.problem)
-                continue
-            rep.good += 1
-            rep.truncated += int(cut)
-            for key in SIDES:
-                sides[key].append(out[key])
-            rows.append(i)
-    rep.finish(max_bad_fraction)
-    return PreferencePairs(TokenizedRows(sides["chosen"], rows), TokenizedRows(sides["rejected"], rows)), rep
+        return [(tokens[2 * k], tokens[2 * k + 1]) for k in range(len(convs))]
+
+    def check(pair):
+        out, cut = [], False
+        for key, (ids, mask) in zip(SIDES, pair):
+            if not mask[1:].any():
+                raise RowProblem(R.EMPTY_COMPLETION, f"the chat template left no {key} token to train on")
+            ids, mask, was_cut = fit_length(ids, mask, seq_len + 1, truncate)
+            out.append((ids, mask))
+            cut = cut or was_cut
+        return tuple(out), cut
+
+    rep = BadRowReport(source=name or repr(source), policy=bad_rows, keep_rows=report_rows)
+    pairs, rows = tokenize_pass(source, parse=preference_conversations, tokenize=tokenize, check=check, report=rep,
+                                max_bad_fraction=max_bad_fraction)
+    return PreferencePairs(TokenizedRows([p[0] for p in pairs], rows), TokenizedRows([p[1] for p in pairs], rows)), rep
 
 
 def preference_examples(cfg: DataConfig, tokenizer, *, seq_len: int, split: str = "train"

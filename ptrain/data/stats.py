@@ -13,7 +13,6 @@ import argparse
 import dataclasses
 import time
 
-import numpy as np
 
 from ptrain.config.data import DataConfig, GeneratedTaskConfig
 from ptrain.data.pipeline import clear_cache, make_sft_iterator, sft_examples
