@@ -260,3 +260,24 @@ def test_prompt_iterator_for_rl_shuffles_covers_and_resumes(tokenizer, make_cfg)
 def test_preference_format_in_an_sft_stage_is_refused(tokenizer, make_cfg):
     with pytest.raises(ValueError, match="DPO stages"):
         make_sft_iterator(make_cfg(format="preference"), tokenizer, batch_size=B, seq_len=L)
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_truncated_examples_fill_a_row_exactly(packing, tokenizer, make_cfg, tmp_path):
+    """An example cut at seq_len fills its row: seq_len inputs, and its last target is the
+    real next token of the conversation (seq_len + 1 tokens were kept), not padding."""
+    import json
+
+    from ptrain.data.chat import tokenize_conversation
+
+    seq = 32
+    msgs = [{"role": "user", "content": "count"}, {"role": "assistant", "content": " ".join(map(str, range(40)))}]
+    path = tmp_path / "long.jsonl"
+    path.write_text((json.dumps({"messages": msgs}) + "\n") * 3)
+    cfg = make_cfg(source="jsonl", train_path=str(path), packing=packing)
+    batch = next(make_sft_iterator(cfg, tokenizer, batch_size=2, seq_len=seq))
+    full, _ = tokenize_conversation(tokenizer, msgs)
+    assert (batch["segment_ids"] == 1).all()
+    np.testing.assert_array_equal(batch["positions"][0], np.arange(seq))
+    np.testing.assert_array_equal(batch["input_ids"][0], full[:seq])
+    np.testing.assert_array_equal(batch["target_ids"][0], full[1:seq + 1])
