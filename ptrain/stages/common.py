@@ -170,18 +170,15 @@ def train_loop(
     """
     total = run.train.steps
     sharding = batch_sharding(mesh)
-    pending = None  # (step, device metrics, tokens, dispatch time)
-    last = {}
+    pending = None  # (step, device metrics, tokens, step wall time)
+    last: dict = {}
     t_prev = time.time()
 
     def drain(p):
-        nonlocal t_prev, last
-        step, dev_metrics, tokens = p
+        nonlocal last
+        step, dev_metrics, tokens, dt = p
         host = finalize(to_host(dev_metrics))
-        now = time.time()
-        dt = max(now - t_prev, 1e-9)
-        t_prev = now
-        host.update(step_time_s=dt, tokens_per_s=tokens / dt, tokens=tokens)
+        host.update(step_time_s=dt, tokens_per_s=tokens / max(dt, 1e-9), tokens=tokens)
         if run.train.nan_check:
             check_finite(step, host)
         if step % run.logging.log_every == 0 or step == total:
@@ -192,11 +189,16 @@ def train_loop(
         batch = next(batches)
         tokens = tokens_in(batch)
         state, metrics = step_fn(state, jax.device_put(batch, sharding))
+        # Step time = time between consecutive returns of the step call: with asynchronous
+        # dispatch the loop is paced by the device (drain blocks on the previous step), with
+        # synchronous dispatch (CPU) it is the compute itself. Either way no extra sync.
+        now = time.time()
+        dt, t_prev = now - t_prev, now
         if pending is not None:
             drain(pending)
-        pending = (step, metrics, tokens)
+        pending = (step, metrics, tokens, dt)
         if checkpointer.should_save(step, total):
-            drain(pending)
+            drain(pending)  # the step's metrics reach the JSONL before its checkpoint exists
             pending = None
             checkpointer.save(step, state, data_state(), dict(meta or {}, step=step, metrics=last))
         if evaluate is not None and (step == total or (run.train.eval_every and step % run.train.eval_every == 0)):
@@ -206,7 +208,7 @@ def train_loop(
             eval_metrics = evaluate(state, step)
             logger.log(step, eval_metrics, prefix="eval")
             last.update({f"eval/{k}": v for k, v in eval_metrics.items()})
-            t_prev = time.time()  # evaluation time is not training throughput
+            t_prev = time.time()  # evaluation time is not training time
     if pending is not None:
         drain(pending)
     checkpointer.wait()

@@ -50,7 +50,7 @@ def run_sft_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict
     norm = run.algo.sft.norm_constant or float(t.global_batch_size * t.seq_len)
     objective = make_sft_objective(placed.model_def, run.algo.sft, aux_loss_coef=run.model.router_aux_loss_coef)
     step_fn = jit_step(make_train_step(objective, sft_denominator(run.algo.sft, norm), tx, lr,
-                                       grad_accum=t.grad_accum, post_update=router_bias_update(run)), placed)
+                                       grad_accum=t.grad_accum, post_update=router_bias_update(run, model)), placed)
 
     ckpt = StageCheckpointer(os.path.join(stage_dir, "checkpoints"), run.checkpoint)
     start, state, data_state = restore_or_start(ckpt, placed, run.checkpoint.resume)
@@ -98,11 +98,25 @@ def run_sft_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict
     return summary
 
 
-def router_bias_update(run: RunConfig):
-    """The aux-loss-free router-bias update (DeepSeek-V3) as a post-update hook, or None."""
+def router_bias_update(run: RunConfig, model):
+    """The aux-loss-free router-bias update (DeepSeek-V3) as a post-update hook, or None.
+
+    The train state keeps non-trainable variables as a pure dict; the model's own update
+    works on an nnx.State, so the dict is poured into a copy of the model's state template.
+    """
     if not run.model.n_experts or run.model.router_bias_update_rate <= 0:
         return None
+    from flax import nnx
+
     from ptrain.models import update_router_bias
 
-    rate = run.model.router_bias_update_rate
-    return lambda model_state, metrics: update_router_bias(model_state, metrics["expert_load"], rate)
+    rate, accum = run.model.router_bias_update_rate, run.train.grad_accum
+    template = nnx.split(model, nnx.Param, ...)[2]
+
+    def update(model_state, metrics):
+        state = jax.tree.map(lambda x: x, template)  # fresh Variables; the template stays untouched
+        nnx.replace_by_pure_dict(state, model_state)
+        state = update_router_bias(state, metrics["expert_load"] / accum, rate)
+        return nnx.to_pure_dict(state)
+
+    return update
