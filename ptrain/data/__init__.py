@@ -8,6 +8,14 @@ Modules (the file list is the architecture):
   report      bad-row counting and the skip / fail policy
   pipeline    SFT iterators (shuffle, epochs, packing, exact resume), eval passes, eval prompts
   preference  preference pairs for the DPO family
+  stats       `python -m ptrain.data.stats`: inspect a file (bad rows, trained part), packing fill, speed
+
+Typical use in a stage driver:
+    tok = get_tokenizer(cfg.tokenizer_path, run_dir + "/tokenizer", cfg.tokenizer_vocab_size)
+    cfg = write_generated(cfg, run_dir + "/data")        # the embedded task as JSONL
+    it = make_sft_iterator(cfg, tok, batch_size=B, seq_len=L, seed=cfg.shuffle_seed)
+    batch = next(it)                                    # dict of numpy [B, L], see ptrain/__init__.py
+    state = it.get_state(); it.set_state(state)         # exact resume (saved in checkpoints)
 """
 
 from ptrain.data.chat import TokenizedRows, tokenize_conversation, tokenize_sft_rows
