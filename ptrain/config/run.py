@@ -141,6 +141,7 @@ def _validate_values(run: RunConfig, where: str = "") -> None:
       f"{t.global_batch_size} is not divisible by train.grad_accum={t.grad_accum}")
     c(t.seq_len > 1, "train.seq_len", f"must be > 1, got {t.seq_len}")
     c(t.eval_every >= 0, "train.eval_every", f"must be >= 0, got {t.eval_every}")
+    c(t.vocab_chunk >= 0, "train.vocab_chunk", f"must be >= 0 (0: full logits), got {t.vocab_chunk}")
     c(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
     c(o.name in ("adamw", "adam", "sgd", "adafactor", "lion"), "optim.name",
       f"unknown optimizer '{o.name}'; pass adamw, adam, sgd, adafactor or lion")

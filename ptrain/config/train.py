@@ -32,6 +32,10 @@ class TrainConfig:
     """Generation budget per held-out prompt, in tokens."""
     seed: int = 0
     """Seed of the train RNG (sampling, dropout-free models still carry it for RL)."""
+    vocab_chunk: int = 0
+    """0: the loss reads full [B, L, V] logits. > 0: it reads final hidden states and the
+    output head and walks the vocabulary in chunks of this many columns, so [B, L, V] logits
+    never exist (large vocabularies; ~a tenth of the memory at V = 150k)."""
     nan_check: bool = True
     """Stop with an error when the loss turns NaN/inf (checked on the host one step behind)."""
 

@@ -142,7 +142,7 @@ def run_dpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict
         if any(p.task for p in prompts):
             evaluators.append(exact_match_evaluator(run, prompts, tokenizer, placed))
 
-    step_fn = jit_step(make_train_step(make_dpo_objective(placed.model_def, algo), dpo_denominator, tx, lr,
+    step_fn = jit_step(make_train_step(make_dpo_objective(placed.model_def, algo, vocab_chunk=t.vocab_chunk), dpo_denominator, tx, lr,
                                        grad_accum=t.grad_accum), placed)
     ckpt = StageCheckpointer(os.path.join(stage_dir, "checkpoints"), run.checkpoint)
     start, state, data_state = restore_or_start(ckpt, placed, run.checkpoint.resume)

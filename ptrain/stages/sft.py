@@ -48,7 +48,8 @@ def run_sft_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict
     tx, lr = make_optimizer(run.optim, t.steps)
     placed = place_state(run, model, tx, mesh)
     norm = run.algo.sft.norm_constant or float(t.global_batch_size * t.seq_len)
-    objective = make_sft_objective(placed.model_def, run.algo.sft, aux_loss_coef=run.model.router_aux_loss_coef)
+    objective = make_sft_objective(placed.model_def, run.algo.sft, aux_loss_coef=run.model.router_aux_loss_coef,
+                                   vocab_chunk=t.vocab_chunk)
     step_fn = jit_step(make_train_step(objective, sft_denominator(run.algo.sft, norm), tx, lr,
                                        grad_accum=t.grad_accum, post_update=router_bias_update(run, model)), placed)
 

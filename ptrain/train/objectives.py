@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 
 from ptrain.config.train import DPOAlgoConfig, SFTAlgoConfig
-from ptrain.losses import preference_loss, sequence_logprobs, sft_loss, token_logprobs
+from ptrain.losses import preference_loss, sequence_logprobs, vocab_stats, vocab_stats_from_hidden
+from ptrain.losses.sft import sft_loss_from_stats
 from ptrain.losses.reduce import sequence_sums
 from ptrain.train.state import ModelDef, TrainState
 
@@ -31,23 +32,33 @@ def sft_denominator(cfg: SFTAlgoConfig, norm_constant: float):
     return denominator
 
 
-def forward(model_def: ModelDef, params, model_state, batch: dict):
-    """Logits [B, L, V] (float32) and router aux of the batch contract's inputs."""
+def target_stats(model_def: ModelDef, params, model_state, batch: dict, vocab_chunk: int = 0):
+    """Per-token vocabulary statistics of the targets (log-prob, entropy, ...) and router aux.
+
+    vocab_chunk > 0 takes the hidden-state path: the head is applied one vocabulary chunk
+    at a time inside the loss, so [B, L, V] logits are never materialised.
+    """
     model = model_def.bind(params, model_state)
-    return model(batch["input_ids"], batch["positions"], batch["segment_ids"], return_aux=True)
+    if vocab_chunk:
+        h, aux = model(batch["input_ids"], batch["positions"], batch["segment_ids"], return_aux=True,
+                       return_hidden=True)
+        head = model.head_weight().astype(h.dtype)
+        return vocab_stats_from_hidden(h, head, batch["target_ids"], chunk_size=vocab_chunk), aux
+    logits, aux = model(batch["input_ids"], batch["positions"], batch["segment_ids"], return_aux=True)
+    return vocab_stats(logits, batch["target_ids"]), aux
 
 
-def make_sft_objective(model_def: ModelDef, cfg: SFTAlgoConfig, *, aux_loss_coef: float = 0.0):
+def make_sft_objective(model_def: ModelDef, cfg: SFTAlgoConfig, *, aux_loss_coef: float = 0.0,
+                       vocab_chunk: int = 0):
     """SFT cross-entropy (+ MoE load-balancing loss) as an accumulation-exact objective."""
 
     def objective(params, state: TrainState, batch: dict, denom: jax.Array):
-        logits, model_aux = forward(model_def, params, state.model_state, batch)
+        stats, model_aux = target_stats(model_def, params, state.model_state, batch, vocab_chunk)
         kwargs = dict(label_smoothing=cfg.label_smoothing, z_loss=cfg.z_loss, segment_ids_BxL=batch["segment_ids"])
         if cfg.aggregation == "sum":
-            loss, aux = sft_loss(logits, batch["target_ids"], batch["loss_mask"], aggregation="sum",
-                                 norm_constant=denom, **kwargs)
+            loss, aux = sft_loss_from_stats(stats, batch["loss_mask"], aggregation="sum", norm_constant=denom, **kwargs)
         else:
-            loss, aux = sft_loss(logits, batch["target_ids"], batch["loss_mask"], aggregation=cfg.aggregation, **kwargs)
+            loss, aux = sft_loss_from_stats(stats, batch["loss_mask"], aggregation=cfg.aggregation, **kwargs)
             weight = aux.token_count if cfg.aggregation == "token_mean" else aux.seq_count
             loss = loss * weight / denom
         metrics = {"nll_sum": aux.nll_sum, "loss_tokens": aux.token_count, "correct_sum": aux.correct_count}
@@ -88,15 +99,15 @@ def both_sides(batch: dict) -> dict:
             for k in ("input_ids", "target_ids", "loss_mask", "segment_ids", "positions")}
 
 
-def pair_logprobs(model_def: ModelDef, params, model_state, batch: dict):
+def pair_logprobs(model_def: ModelDef, params, model_state, batch: dict, vocab_chunk: int = 0):
     """Per-sequence summed completion log-probs and token counts of both sides, each [B].
 
     One forward pass over chosen and rejected together (2B rows), so the two sides share
     one compiled program and one set of weight reads.
     """
     seqs = both_sides(batch)
-    logits, _ = forward(model_def, params, model_state, seqs)
-    logp, counts = sequence_logprobs(token_logprobs(logits, seqs["target_ids"]), seqs["loss_mask"])
+    stats, _ = target_stats(model_def, params, model_state, seqs, vocab_chunk)
+    logp, counts = sequence_logprobs(stats.logp, seqs["loss_mask"])
     b = batch["chosen_input_ids"].shape[0]
     return logp[:b], logp[b:], counts[:b], counts[b:]
 
@@ -106,7 +117,7 @@ def dpo_denominator(batch: dict) -> jax.Array:
     return jnp.sum((batch["pair_index"] >= 0).astype(jnp.float32))
 
 
-def make_dpo_objective(model_def: ModelDef, cfg: DPOAlgoConfig):
+def make_dpo_objective(model_def: ModelDef, cfg: DPOAlgoConfig, *, vocab_chunk: int = 0):
     """Preference loss of the policy against the frozen reference, averaged over real pairs.
 
     Reference log-probs come from the batch (`ref_chosen_logps` / `ref_rejected_logps`,
@@ -116,13 +127,14 @@ def make_dpo_objective(model_def: ModelDef, cfg: DPOAlgoConfig):
     reference_free = cfg.kind in ("simpo", "orpo")
 
     def objective(params, state: TrainState, batch: dict, denom: jax.Array):
-        pc, pr, nc, nr = pair_logprobs(model_def, params, state.model_state, batch)
+        pc, pr, nc, nr = pair_logprobs(model_def, params, state.model_state, batch, vocab_chunk)
         if reference_free:
             rc = rr = None
         elif "ref_chosen_logps" in batch:
             rc, rr = batch["ref_chosen_logps"], batch["ref_rejected_logps"]
         else:
-            rc, rr, _, _ = pair_logprobs(model_def, jax.lax.stop_gradient(state.ref_params), state.model_state, batch)
+            rc, rr, _, _ = pair_logprobs(model_def, jax.lax.stop_gradient(state.ref_params), state.model_state, batch,
+                                         vocab_chunk)
         loss_b, aux = preference_loss(pc, pr, rc, rr, kind=cfg.kind, beta=cfg.beta,
                                       label_smoothing=cfg.label_smoothing, gamma=cfg.gamma,
                                       nll_weight=cfg.nll_weight, chosen_token_counts=nc, rejected_token_counts=nr)

@@ -92,3 +92,21 @@ def test_grad_clip_bounds_the_update():
     tx, _ = make_optimizer(OptimConfig(name="sgd", lr=1.0, b1=0.0, schedule="constant", grad_clip=1.0), 1)
     updates, _ = tx.update({"w": jnp.full((4, 4), 100.0)}, tx.init(params), params)
     assert float(optax.global_norm(updates)) == pytest.approx(1.0, rel=1e-5)
+
+
+def test_chunked_vocabulary_path_matches_full_logits(split):
+    """train.vocab_chunk > 0 (hidden states + head, chunked) computes the same loss and gradient."""
+    model_def, params, rest = split
+    cfg = SFTAlgoConfig()
+    tx, _ = make_optimizer(OptimConfig(), 10)
+    state = init_train_state(params, tx, seed=0, model_state=rest)
+    batch = random_batch()
+    denom = sft_denominator(cfg, 1.0)(batch)
+    grads = {}
+    for chunk in (0, 16):
+        obj = make_sft_objective(model_def, cfg, vocab_chunk=chunk)
+        (loss, _), g = jax.jit(jax.value_and_grad(lambda p: obj(p, state, batch, denom), has_aux=True))(params)
+        grads[chunk] = (float(loss), g)
+    assert grads[0][0] == pytest.approx(grads[16][0], rel=1e-6)
+    for a, b in zip(jax.tree.leaves(grads[0][1]), jax.tree.leaves(grads[16][1])):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
