@@ -21,6 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 from ptrain.config import ModelConfig, OptimConfig, SFTAlgoConfig
 from ptrain.models import Decoder, flops_per_token
 from ptrain.train.objectives import make_sft_objective, sft_denominator
@@ -43,10 +48,32 @@ def matmul_peak(n: int = 4096, repeats: int = 5) -> float:
     return 2 * n**3 / best
 
 
+def model_config(args) -> ModelConfig:
+    return ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
+                       n_kv_heads=args.kv_heads, head_dim=args.head_dim, d_ff=args.d_ff, max_seq_len=args.seq,
+                       qk_norm=True, tie_embeddings=False, dtype=args.dtype, remat=args.remat)
+
+
+def time_steps(step, state, batch, warmup: int, steps: int):
+    """(compile seconds, median step seconds, final state, last metrics) of a jitted step."""
+    t = time.perf_counter()
+    state, m = step(state, batch)
+    jax.block_until_ready(m)
+    compile_s = time.perf_counter() - t
+    for _ in range(warmup):
+        state, m = step(state, batch)
+    jax.block_until_ready(m)
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        state, m = step(state, batch)
+        jax.block_until_ready(m)
+        times.append(time.perf_counter() - t)
+    return compile_s, statistics.median(times), state, m
+
+
 def bench(args) -> dict:
-    cfg = ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
-                      n_kv_heads=args.kv_heads, head_dim=args.head_dim, d_ff=args.d_ff, max_seq_len=args.seq,
-                      qk_norm=True, tie_embeddings=False, dtype=args.dtype, remat=args.remat)
+    cfg = model_config(args)
     model_def, params, rest = split_model(Decoder(cfg, rngs=nnx.Rngs(0)))
     tx, lr = make_optimizer(OptimConfig(lr=1e-4, schedule="constant"), 1000)
     algo = SFTAlgoConfig()
@@ -58,21 +85,7 @@ def bench(args) -> dict:
     ids = rng.integers(0, args.vocab, (B, L + 1)).astype(np.int32)
     batch = dict(input_ids=ids[:, :-1], target_ids=ids[:, 1:], loss_mask=np.ones((B, L), np.float32),
                  segment_ids=np.ones((B, L), np.int32), positions=np.broadcast_to(np.arange(L, dtype=np.int32), (B, L)))
-    batch = jax.device_put(batch)
-    t = time.perf_counter()
-    state, m = step(state, batch)
-    jax.block_until_ready(m)
-    compile_s = time.perf_counter() - t
-    for _ in range(args.warmup):
-        state, m = step(state, batch)
-    jax.block_until_ready(m)
-    times = []
-    for _ in range(args.steps):
-        t = time.perf_counter()
-        state, m = step(state, batch)
-        jax.block_until_ready(m)
-        times.append(time.perf_counter() - t)
-    step_s = statistics.median(times)
+    compile_s, step_s, state, m = time_steps(step, state, jax.device_put(batch), args.warmup, args.steps)
     tokens_per_s = B * L / step_s
     peak = matmul_peak(args.peak_n)
     fpt = flops_per_token(cfg, L)
@@ -87,8 +100,8 @@ def bench(args) -> dict:
     }
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """The benchmark model's shape (defaults: the issue's 8-layer Qwen3-style model)."""
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--d-model", type=int, default=512)
     ap.add_argument("--heads", type=int, default=8)
@@ -103,6 +116,11 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--peak-n", type=int, default=4096, help="matrix size of the peak-FLOP/s matmul")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(ap)
     args = ap.parse_args(argv)
     print(json.dumps(bench(args), indent=2))
 

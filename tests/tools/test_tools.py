@@ -1,6 +1,8 @@
 """Command-line tools run on tiny inputs."""
 
 import json
+
+import pytest
 import subprocess
 import sys
 
@@ -31,3 +33,12 @@ def test_bench_train_runs_on_a_tiny_shape():
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads(out.stdout)
     assert res["tokens_per_s"] > 0 and 0 < res["mfu"] < 1.5
+
+
+def test_bench_dpo_runs_on_a_tiny_shape():
+    out = subprocess.run([sys.executable, "tools/bench_dpo.py", "--layers", "1", "--d-model", "64", "--heads", "2",
+                          "--kv-heads", "1", "--head-dim", "32", "--d-ff", "128", "--vocab", "128", "--batch", "2",
+                          "--seq", "32", "--steps", "1", "--warmup", "0"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout)
+    assert res["step_s_median"] > 0 and res["loss"] == pytest.approx(0.6931, abs=1e-3)  # policy == reference
