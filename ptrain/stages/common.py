@@ -30,6 +30,13 @@ class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite; the message names the step and what to try."""
 
 
+def resolved(run: RunConfig) -> dict:
+    """The stage's resolved config as plain JSON data (stored in every checkpoint)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.structured(run), resolve=True)
+
+
 def rules_of(run: RunConfig):
     return [tuple(r) for r in run.mesh.rules] if run.mesh.rules else list(DEFAULT_RULES)
 

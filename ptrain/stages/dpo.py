@@ -22,6 +22,7 @@ from ptrain.data.preference import make_preference_iterator, make_preference_pas
 from ptrain.metrics import MetricsLogger
 from ptrain.parallel import batch_sharding
 from ptrain.stages.common import (
+    resolved,
     ensure_base_model,
     export_stage,
     jit_step,
@@ -168,7 +169,7 @@ def run_dpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict
             finalize=lambda m: finalize_metrics(m, t.grad_accum),
             tokens_in=lambda b: int(np.sum(b["chosen_segment_ids"] > 0) + np.sum(b["rejected_segment_ids"] > 0)),
             evaluate=evaluate if evaluators else None,
-            meta={"stage": run.stages[0].name, "kind": "dpo"},
+            meta={"stage": run.stages[0].name, "kind": "dpo", "config": resolved(run)},
         )
     finally:
         ckpt.close()

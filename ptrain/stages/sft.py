@@ -18,6 +18,7 @@ from ptrain.config import RunConfig
 from ptrain.data.pipeline import make_eval_prompts, make_sft_iterator, write_generated
 from ptrain.metrics import MetricsLogger
 from ptrain.stages.common import (
+    resolved,
     ensure_base_model,
     export_stage,
     jit_step,
@@ -85,7 +86,7 @@ def run_sft_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict
             finalize=lambda m: finalize_metrics(m, t.grad_accum),
             tokens_in=lambda b: int(np.sum(b["segment_ids"] > 0)),
             evaluate=evaluate if evaluators else None,
-            meta={"stage": run.stages[0].name, "kind": "sft"},
+            meta={"stage": run.stages[0].name, "kind": "sft", "config": resolved(run)},
         )
     finally:
         ckpt.close()

@@ -47,6 +47,8 @@ def test_run_export_skip_and_kill_resume(tmp_path):
     assert (ref_dir / "data" / "train.jsonl").is_file()  # the generated data are there to read
     ref = train_losses(stage)
     assert len(ref) == 8 and ref[-1] < ref[0]
+    meta = json.loads((stage / "checkpoints" / "8" / "meta" / "metadata").read_text())
+    assert meta["step"] == 8 and meta["config"]["train"]["steps"] == 8  # the resolved config travels along
 
     # the export loads back as a model
     from ptrain.models import load_hf
