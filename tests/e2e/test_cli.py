@@ -135,3 +135,10 @@ def test_sft_then_dpo_pipeline_hands_the_export_on(tmp_path):
     assert (tmp_path / "data" / "preference_train.jsonl").is_file()
     cfg = (tmp_path / "stages" / "dpo" / "config.yaml").read_text()
     assert "format: preference" in cfg
+    # any Hugging Face folder can start a run: here the DPO export, tokenizer included
+    tiny_data = [a for a in tiny if not a.startswith("model.")]
+    out = cli("recipe=sft_arithmetic", *tiny_data, "model=hf", f"model.hf_path={tmp_path / 'stages' / 'dpo' / 'export'}",
+              "train.steps=1", "train.eval_every=0", "checkpoint.every_steps=0", f"run_dir={tmp_path / 'from_hf'}")
+    assert "from " + str(tmp_path / "stages" / "dpo" / "export") in out.stdout
+    assert (tmp_path / "from_hf" / "stages" / "sft" / "DONE.json").is_file()
+    assert not (tmp_path / "from_hf" / "base_model").exists()
