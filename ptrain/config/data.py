@@ -10,6 +10,7 @@ compute; each message names the key (`data.<field>`) and says what to pass.
 
 from __future__ import annotations
 
+import glob
 import os
 from dataclasses import dataclass, field
 from typing import Optional
@@ -49,9 +50,10 @@ class DataConfig:
     """Where rows come from: generated (the embedded arithmetic task, written as JSONL into
     the run directory) | jsonl | parquet (local files at train_path / eval_path)."""
     train_path: Optional[str] = None
-    """Training file for source=jsonl|parquet (required there). Ignored for generated."""
+    """Training data for source=jsonl|parquet (required there): a file; for parquet also a
+    folder of .parquet shards or a glob (data/train-*.parquet). Ignored for generated."""
     eval_path: Optional[str] = None
-    """Held-out file for source=jsonl|parquet; None: no held-out loss for that source."""
+    """Held-out data, same forms as train_path; None: no held-out evaluation for that source."""
     format: str = "auto"
     """Row layout: auto (detect per row) | chat ({"messages": [{role, content}, ...]}) |
     prompt_completion ({"prompt": str|messages, "completion": str|messages}) | preference
@@ -131,6 +133,12 @@ def validate_data_config(cfg: DataConfig) -> None:
     for key in ("train_path", "eval_path"):
         path = getattr(cfg, key)
         if path is None:
+            continue
+        if cfg.source == "parquet" and not os.path.isfile(path):
+            if not (glob.glob(os.path.join(path, "*.parquet")) if os.path.isdir(path) else glob.glob(path)):
+                raise FileNotFoundError(
+                    f"config key 'data.{key}': no Parquet data at '{path}'; pass a local .parquet file, a folder "
+                    "of them or a glob such as data/train-*.parquet (nothing is downloaded)")
             continue
         if not os.path.isfile(path):
             raise FileNotFoundError(

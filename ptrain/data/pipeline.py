@@ -34,7 +34,7 @@ from ptrain.config.data import DataConfig
 from ptrain.data import tasks
 from ptrain.data.chat import RowProblem, TokenizedRows, prompt_ids, sft_conversation, tokenize_sft_rows
 from ptrain.data.report import BadRowReport
-from ptrain.data.sources import ListSource, open_source
+from ptrain.data.sources import ListSource, open_source, parquet_files
 
 SPLITS = ("train", "eval")
 CONTRACT_KEYS = ("input_ids", "target_ids", "loss_mask", "segment_ids", "positions")
@@ -96,8 +96,9 @@ def _cache_key(cfg: DataConfig, tokenizer, split: str, seq_len: int, what: str) 
         where: tuple = ("generated", g.n_train, g.n_eval, g.min_digits, g.max_digits, tuple(g.ops), g.seed)
     else:
         path = cfg.train_path if split == "train" else cfg.eval_path
-        st = os.stat(path) if path and os.path.exists(path) else None
-        where = (cfg.source, path, st.st_mtime_ns if st else None, st.st_size if st else None)
+        files = parquet_files(path) if cfg.source == "parquet" and path else [path]
+        where = (cfg.source, path) + tuple((f, os.stat(f).st_mtime_ns, os.stat(f).st_size) for f in files
+                                           if f and os.path.isfile(f))
     return (what, where, split, tokenizer_fingerprint(tokenizer), cfg.format, seq_len, cfg.truncate, cfg.bad_rows,
             cfg.max_bad_fraction, cfg.report_rows)
 

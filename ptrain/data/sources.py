@@ -13,9 +13,12 @@ which the tokenisation pass turns into a counted bad row.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from typing import Any, Sequence
+
+import numpy as np
 
 
 class RowDecodeError(ValueError):
@@ -84,21 +87,35 @@ class JsonlSource:
 
 
 class ParquetSource:
-    """Rows of a Parquet file (nested columns such as `messages` come back as lists of dicts)."""
+    """Rows of Parquet data (nested columns such as `messages` come back as lists of dicts).
+
+    path: one .parquet file, a folder of them, or a glob such as
+    `data/train-*.parquet` (Hugging Face's sharded layout); shards are read in sorted name
+    order and concatenated, and `where` names the shard and the row inside it.
+    """
 
     def __init__(self, path: str):
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"Parquet file '{path}' does not exist; pass the path of a local .parquet file")
         self.path = path
-        self._table = pq.read_table(path)
+        self.files = parquet_files(path)
+        tables = [pq.read_table(f) for f in self.files]
+        self._starts = np.cumsum([0] + [t.num_rows for t in tables])
+        try:
+            self._table = pa.concat_tables(tables, promote_options="default") if len(tables) > 1 else tables[0]
+        except pa.ArrowInvalid as e:
+            raise ValueError(f"the Parquet shards of '{path}' have incompatible columns ({e}); pass shards of one "
+                             "dataset split") from None
 
     def __len__(self) -> int:
         return self._table.num_rows
 
     def where(self, index: int) -> str:
-        return f"{self.path} row {index}"
+        if len(self.files) == 1:
+            return f"{self.files[0]} row {index}"
+        k = int(np.searchsorted(self._starts, index, side="right")) - 1
+        return f"{self.files[k]} row {index - int(self._starts[k])} (row {index} overall)"
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         if not 0 <= index < len(self):
@@ -127,6 +144,20 @@ class ListSource:
 
     def __repr__(self) -> str:
         return f"ListSource({self.name!r}, rows={len(self)})"
+
+
+def parquet_files(path: str) -> list[str]:
+    """The Parquet files a path names: the file itself, every *.parquet in a folder, or a glob's matches."""
+    if os.path.isfile(path):
+        return [path]
+    if os.path.isdir(path):
+        files = sorted(glob.glob(os.path.join(path, "*.parquet")))
+    else:
+        files = sorted(f for f in glob.glob(path) if os.path.isfile(f))
+    if not files:
+        raise FileNotFoundError(f"no Parquet data at '{path}'; pass a local .parquet file, a folder of them or a "
+                                "glob such as data/train-*.parquet (nothing is downloaded)")
+    return files
 
 
 def open_source(path: str, kind: str | None = None):

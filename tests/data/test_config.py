@@ -32,6 +32,7 @@ MISTAKES = [
     (dict(source="jsonl", train_path="{d}/train.jsonl", eval_path="{d}/gone.jsonl"), "data.eval_path"),
     (dict(source="jsonl", train_path="{d}/notes.txt"), "data.train_path"),
     (dict(source="parquet", train_path="{d}/train.jsonl"), "data.train_path"),
+    (dict(source="parquet", train_path="{d}/shards-*.parquet"), "data.train_path"),
     (dict(tokenizer_path="{d}"), "data.tokenizer_path"),
 ]
 
@@ -49,6 +50,8 @@ def test_good_configs_pass(files):
     validate_data_config(DataConfig())
     validate_data_config(DataConfig(source="jsonl", train_path=str(files / "train.jsonl")))
     validate_data_config(DataConfig(source="parquet", train_path=str(files / "train.parquet"), num_epochs=3))
+    validate_data_config(DataConfig(source="parquet", train_path=str(files / "train.parq*")))
+    validate_data_config(DataConfig(source="parquet", train_path=str(files)))
 
 
 def test_schema_composes_with_omegaconf():

@@ -102,3 +102,25 @@ def test_jsonl_tolerates_a_byte_order_mark_and_crlf(tmp_path):
     path.write_bytes(b'\xef\xbb\xbf{"a": 1}\r\n{"a": 2}\r\n')
     src = JsonlSource(str(path))
     assert [src[0], src[1]] == [{"a": 1}, {"a": 2}]
+
+
+@pytest.mark.parametrize("form", ["folder", "glob"])
+def test_parquet_shards_read_in_name_order(form, tmp_path):
+    """Hugging Face's sharded layout: train-00000-of-00003.parquet, ... read as one source."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    d = tmp_path / "shards"
+    d.mkdir()
+    for k, lo in enumerate((0, 100, 250)):
+        hi = (100, 250, 300)[k]
+        pq.write_table(pa.Table.from_pylist(ROWS[lo:hi]), str(d / f"train-{k:05d}-of-00003.parquet"))
+    (d / "README.md").write_text("not data")
+    src = ParquetSource(str(d) if form == "folder" else str(d / "train-*.parquet"))
+    assert len(src) == 300 and [src[i]["id"] for i in (0, 99, 100, 299)] == [0, 99, 100, 299]
+    assert src.where(120).endswith("train-00001-of-00003.parquet row 20 (row 120 overall)")
+
+
+def test_parquet_nothing_matches(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no Parquet data"):
+        ParquetSource(str(tmp_path / "train-*.parquet"))
