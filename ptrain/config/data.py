@@ -15,7 +15,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-SOURCE_KINDS = ("generated", "jsonl", "parquet")
+SOURCE_KINDS = ("generated", "jsonl", "parquet", "arrow")
+TABLE_EXTENSIONS = {"parquet": (".parquet", ".pq"), "arrow": (".arrow",)}
 FORMATS = ("auto", "chat", "prompt_completion", "preference")
 BAD_ROW_POLICIES = ("skip", "fail")
 TASK_OPS = ("+", "-", "*")
@@ -48,10 +49,11 @@ class GeneratedTaskConfig:
 class DataConfig:
     source: str = "generated"
     """Where rows come from: generated (the embedded arithmetic task, written as JSONL into
-    the run directory) | jsonl | parquet (local files at train_path / eval_path)."""
+    the run directory) | jsonl | parquet | arrow (local files at train_path / eval_path;
+    arrow reads a Hugging Face `datasets` cache or `save_to_disk` folder)."""
     train_path: Optional[str] = None
-    """Training data for source=jsonl|parquet (required there): a file; for parquet also a
-    folder of .parquet shards or a glob (data/train-*.parquet). Ignored for generated."""
+    """Training data for source=jsonl|parquet|arrow (required there): a file; for parquet and
+    arrow also a folder of shards or a glob (data/train-*.parquet). Ignored for generated."""
     eval_path: Optional[str] = None
     """Held-out data, same forms as train_path; None: no held-out evaluation for that source."""
     format: str = "auto"
@@ -134,17 +136,19 @@ def validate_data_config(cfg: DataConfig) -> None:
         path = getattr(cfg, key)
         if path is None:
             continue
-        if cfg.source == "parquet" and not os.path.isfile(path):
-            if not (glob.glob(os.path.join(path, "*.parquet")) if os.path.isdir(path) else glob.glob(path)):
+        exts = TABLE_EXTENSIONS.get(cfg.source, (".jsonl", ".json", ".ndjson"))
+        if cfg.source in TABLE_EXTENSIONS and not os.path.isfile(path):
+            found = ([f for f in glob.glob(os.path.join(path, "*")) if f.endswith(exts)] if os.path.isdir(path)
+                     else glob.glob(path))
+            if not found:
                 raise FileNotFoundError(
-                    f"config key 'data.{key}': no Parquet data at '{path}'; pass a local .parquet file, a folder "
-                    "of them or a glob such as data/train-*.parquet (nothing is downloaded)")
+                    f"config key 'data.{key}': no {cfg.source} data at '{path}'; pass a local {exts[0]} file, a "
+                    f"folder of them or a glob such as data/train-*{exts[0]} (nothing is downloaded)")
             continue
         if not os.path.isfile(path):
             raise FileNotFoundError(
                 f"config key 'data.{key}': file '{path}' does not exist; pass the path of a local "
                 f"{cfg.source} file (nothing is downloaded)")
         ext = os.path.splitext(path)[1].lower()
-        want = (".jsonl", ".json", ".ndjson") if cfg.source == "jsonl" else (".parquet", ".pq")
-        _check(ext in want, key, f"'{path}' does not look like a {cfg.source} file (extension {ext or 'none'}); "
-               f"pass a {'/'.join(want)} file or set data.source to match the file")
+        _check(ext in exts, key, f"'{path}' does not look like a {cfg.source} file (extension {ext or 'none'}); "
+               f"pass a {'/'.join(exts)} file or set data.source to match the file")

@@ -3,7 +3,7 @@
 Modules (the file list is the architecture):
   tokenizer   the embedded byte-level BPE tokenizer with a ChatML template; loading local ones
   tasks       the embedded arithmetic task: worked solutions, verifier, preference pairs
-  sources     random-access JSONL / Parquet / in-memory row sources (thread- and fork-safe)
+  sources     random-access JSONL / Parquet / Arrow / in-memory row sources (thread- and fork-safe)
   chat        row validation, chat-template tokenisation, assistant-only loss masks
   report      bad-row counting and the skip / fail policy
   pipeline    SFT iterators (shuffle, epochs, packing, exact resume), eval passes, eval prompts
@@ -38,12 +38,12 @@ from ptrain.data.pipeline import (
 )
 from ptrain.data.preference import make_preference_iterator, make_preference_pass, preference_examples
 from ptrain.data.report import BadRowError, BadRowReport
-from ptrain.data.sources import JsonlSource, ListSource, ParquetSource, open_source
+from ptrain.data.sources import ArrowSource, JsonlSource, ListSource, ParquetSource, open_source
 from ptrain.data.tasks import check_answer, extract_answer
 from ptrain.data.tokenizer import build_tokenizer, get_tokenizer, load_tokenizer
 
 __all__ = [
-    "BadRowError", "BadRowReport", "CONTRACT_KEYS", "DataIterator", "EvalPrompt", "JsonlSource", "ListSource",
+    "ArrowSource", "BadRowError", "BadRowReport", "CONTRACT_KEYS", "DataIterator", "EvalPrompt", "JsonlSource", "ListSource",
     "ParquetSource", "TokenizedRows", "batch_prompts", "build_tokenizer", "check_answer", "clear_cache",
     "extract_answer", "get_tokenizer", "load_tokenizer", "make_eval_prompts", "make_preference_iterator",
     "make_preference_pass", "make_prompt_iterator", "make_sft_dataset", "make_sft_iterator", "open_source",

@@ -1,6 +1,6 @@
 """Grain pipelines: rows -> tokenised examples -> shuffle -> epochs -> packing -> batches.
 
-    source (generated | JSONL | Parquet)
+    source (generated | JSONL | Parquet | Arrow)
       -> validate + tokenise every row once (bad rows counted, see report.py)
       -> grain.MapDataset over the examples -> shard -> seeded shuffle -> repeat (epochs)
       -> next-token shift, epoch tag -> to_iter_dataset
@@ -34,7 +34,7 @@ from ptrain.config.data import DataConfig
 from ptrain.data import tasks
 from ptrain.data.chat import RowProblem, TokenizedRows, prompt_ids, sft_conversation, tokenize_sft_rows
 from ptrain.data.report import BadRowReport
-from ptrain.data.sources import ListSource, open_source, parquet_files
+from ptrain.data.sources import TABLE_EXTENSIONS, ListSource, open_source, table_files
 
 SPLITS = ("train", "eval")
 CONTRACT_KEYS = ("input_ids", "target_ids", "loss_mask", "segment_ids", "positions")
@@ -96,7 +96,7 @@ def _cache_key(cfg: DataConfig, tokenizer, split: str, seq_len: int, what: str) 
         where: tuple = ("generated", g.n_train, g.n_eval, g.min_digits, g.max_digits, tuple(g.ops), g.seed)
     else:
         path = cfg.train_path if split == "train" else cfg.eval_path
-        files = parquet_files(path) if cfg.source == "parquet" and path else [path]
+        files = table_files(path, cfg.source) if cfg.source in TABLE_EXTENSIONS and path else [path]
         where = (cfg.source, path) + tuple((f, os.stat(f).st_mtime_ns, os.stat(f).st_size) for f in files
                                            if f and os.path.isfile(f))
     return (what, where, split, tokenizer_fingerprint(tokenizer), cfg.format, seq_len, cfg.truncate, cfg.bad_rows,

@@ -4,8 +4,9 @@ Grain reads sources from a thread pool, and worker processes pickle them, so:
 - `JsonlSource` indexes line offsets once and reads each row with `os.pread` (no shared
   file position: a shared handle gave interleaved reads and JSONDecodeError under
   threads); it reopens its descriptor after unpickling.
-- `ParquetSource` holds an immutable pyarrow Table (safe to read from many threads) and
-  converts one row at a time to Python objects.
+- `TableSource` (`ParquetSource`, `ArrowSource`) holds an immutable pyarrow Table (safe
+  to read from many threads) and converts one row at a time to Python objects; Arrow
+  covers Hugging Face `datasets` caches and `save_to_disk` folders.
 
 Rows come back as Python dicts. A row that cannot be decoded raises `RowDecodeError`,
 which the tokenisation pass turns into a counted bad row.
@@ -19,6 +20,8 @@ import os
 from typing import Any, Sequence
 
 import numpy as np
+
+from ptrain.config.data import TABLE_EXTENSIONS
 
 
 class RowDecodeError(ValueError):
@@ -86,26 +89,27 @@ class JsonlSource:
         return f"JsonlSource({self.path!r}, rows={len(self)})"
 
 
-class ParquetSource:
-    """Rows of Parquet data (nested columns such as `messages` come back as lists of dicts).
+class TableSource:
+    """Rows of Parquet or Arrow data (nested columns such as `messages` come back as lists of dicts).
 
-    path: one .parquet file, a folder of them, or a glob such as
-    `data/train-*.parquet` (Hugging Face's sharded layout); shards are read in sorted name
-    order and concatenated, and `where` names the shard and the row inside it.
+    path: one file, a folder of them, or a glob such as `data/train-*.parquet` (Hugging
+    Face's sharded layout); shards are read in sorted name order and concatenated, and
+    `where` names the shard and the row inside it. kind 'arrow' reads Arrow IPC files, the
+    format of a `datasets` cache or `save_to_disk` folder (data-00000-of-00001.arrow).
+    The table is immutable, so Grain's reader threads can share it.
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, kind: str = "parquet"):
         import pyarrow as pa
-        import pyarrow.parquet as pq
 
-        self.path = path
-        self.files = parquet_files(path)
-        tables = [pq.read_table(f) for f in self.files]
+        self.path, self.kind = path, kind
+        self.files = table_files(path, kind)
+        tables = [_read_table(f, kind) for f in self.files]
         self._starts = np.cumsum([0] + [t.num_rows for t in tables])
         try:
             self._table = pa.concat_tables(tables, promote_options="default") if len(tables) > 1 else tables[0]
         except pa.ArrowInvalid as e:
-            raise ValueError(f"the Parquet shards of '{path}' have incompatible columns ({e}); pass shards of one "
+            raise ValueError(f"the {kind} shards of '{path}' have incompatible columns ({e}); pass shards of one "
                              "dataset split") from None
 
     def __len__(self) -> int:
@@ -123,7 +127,33 @@ class ParquetSource:
         return self._table.slice(index, 1).to_pylist()[0]
 
     def __repr__(self) -> str:
-        return f"ParquetSource({self.path!r}, rows={len(self)})"
+        return f"{type(self).__name__}({self.path!r}, rows={len(self)})"
+
+
+class ParquetSource(TableSource):
+    """Parquet file, folder or glob (see TableSource)."""
+
+    def __init__(self, path: str):
+        super().__init__(path, "parquet")
+
+
+class ArrowSource(TableSource):
+    """Arrow IPC file, folder or glob, e.g. a Hugging Face `datasets` cache (see TableSource)."""
+
+    def __init__(self, path: str):
+        super().__init__(path, "arrow")
+
+
+def _read_table(path: str, kind: str):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if kind == "parquet":
+        return pq.read_table(path)
+    try:  # `datasets` writes the streaming format; feather v2 / `pa.ipc.new_file` the file format
+        return pa.ipc.open_stream(pa.memory_map(path)).read_all()
+    except pa.ArrowInvalid:
+        return pa.ipc.open_file(pa.memory_map(path)).read_all()
 
 
 class ListSource:
@@ -146,27 +176,28 @@ class ListSource:
         return f"ListSource({self.name!r}, rows={len(self)})"
 
 
-def parquet_files(path: str) -> list[str]:
-    """The Parquet files a path names: the file itself, every *.parquet in a folder, or a glob's matches."""
+def table_files(path: str, kind: str = "parquet") -> list[str]:
+    """The files a path names: the file itself, every file of the kind in a folder, or a glob's matches."""
     if os.path.isfile(path):
         return [path]
     if os.path.isdir(path):
-        files = sorted(glob.glob(os.path.join(path, "*.parquet")))
+        files = sorted(f for f in glob.glob(os.path.join(path, "*")) if f.endswith(TABLE_EXTENSIONS[kind]))
     else:
         files = sorted(f for f in glob.glob(path) if os.path.isfile(f))
     if not files:
-        raise FileNotFoundError(f"no Parquet data at '{path}'; pass a local .parquet file, a folder of them or a "
-                                "glob such as data/train-*.parquet (nothing is downloaded)")
+        ext = TABLE_EXTENSIONS[kind][0]
+        raise FileNotFoundError(f"no {kind} data at '{path}'; pass a local {ext} file, a folder of them or a "
+                                f"glob such as data/train-*{ext} (nothing is downloaded)")
     return files
 
 
 def open_source(path: str, kind: str | None = None):
-    """JsonlSource or ParquetSource for path; kind 'jsonl' | 'parquet', or None to go by the extension."""
+    """The source for path; kind 'jsonl' | 'parquet' | 'arrow', or None to go by the extension."""
     if kind is None:
         ext = os.path.splitext(path)[1].lower()
-        kind = "parquet" if ext in (".parquet", ".pq") else "jsonl"
+        kind = next((k for k, exts in TABLE_EXTENSIONS.items() if ext in exts), "jsonl")
     if kind == "jsonl":
         return JsonlSource(path)
-    if kind == "parquet":
-        return ParquetSource(path)
-    raise ValueError(f"unknown source kind '{kind}'; pass jsonl or parquet")
+    if kind in TABLE_EXTENSIONS:
+        return TableSource(path, kind)
+    raise ValueError(f"unknown source kind '{kind}'; pass jsonl, parquet or arrow")

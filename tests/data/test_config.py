@@ -33,6 +33,7 @@ MISTAKES = [
     (dict(source="jsonl", train_path="{d}/notes.txt"), "data.train_path"),
     (dict(source="parquet", train_path="{d}/train.jsonl"), "data.train_path"),
     (dict(source="parquet", train_path="{d}/shards-*.parquet"), "data.train_path"),
+    (dict(source="arrow", train_path="{d}"), "data.train_path"),
     (dict(tokenizer_path="{d}"), "data.tokenizer_path"),
 ]
 

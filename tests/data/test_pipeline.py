@@ -195,18 +195,24 @@ def test_written_files_train_identically(tokenizer, make_cfg, tmp_path):
     _assert_same(a, b)
 
 
-def test_parquet_source_trains_like_jsonl(tokenizer, make_cfg, tmp_path):
+@pytest.mark.parametrize("kind", ["parquet", "arrow"])
+def test_table_sources_train_like_jsonl(kind, tokenizer, make_cfg, tmp_path):
     import json
 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     on_disk = write_generated(make_cfg(), str(tmp_path))
-    rows = [json.loads(line) for line in open(on_disk.train_path)]
-    pq.write_table(pa.Table.from_pylist(rows), str(tmp_path / "train.parquet"))
-    pq_cfg = make_cfg(source="parquet", train_path=str(tmp_path / "train.parquet"))
+    table = pa.Table.from_pylist([json.loads(line) for line in open(on_disk.train_path)])
+    path = str(tmp_path / f"train.{kind}")
+    if kind == "parquet":
+        pq.write_table(table, path)
+    else:
+        with pa.OSFile(path, "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
+            w.write_table(table)
+    table_cfg = make_cfg(source=kind, train_path=path)
     a = _collect(make_sft_iterator(on_disk, tokenizer, batch_size=B, seq_len=L, seed=3), 3)
-    b = _collect(make_sft_iterator(pq_cfg, tokenizer, batch_size=B, seq_len=L, seed=3), 3)
+    b = _collect(make_sft_iterator(table_cfg, tokenizer, batch_size=B, seq_len=L, seed=3), 3)
     _assert_same(a, b)
 
 

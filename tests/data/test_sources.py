@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grain
 import pytest
 
-from ptrain.data import JsonlSource, ListSource, ParquetSource, open_source
+from ptrain.data import ArrowSource, JsonlSource, ListSource, ParquetSource, open_source
 from ptrain.data.sources import RowDecodeError
 
 ROWS = [{"messages": [{"role": "user", "content": f"q{i} " + "x" * (i % 37)},
@@ -122,5 +122,24 @@ def test_parquet_shards_read_in_name_order(form, tmp_path):
 
 
 def test_parquet_nothing_matches(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no Parquet data"):
+    with pytest.raises(FileNotFoundError, match="no parquet data"):
         ParquetSource(str(tmp_path / "train-*.parquet"))
+
+
+@pytest.mark.parametrize("fmt", ["stream", "file"])
+def test_arrow_save_to_disk_folder(fmt, tmp_path):
+    """A `datasets` save_to_disk / cache folder: Arrow IPC shards next to JSON metadata."""
+    import pyarrow as pa
+
+    d = tmp_path / "ds"
+    d.mkdir()
+    for k, (lo, hi) in enumerate(((0, 120), (120, 300))):
+        table = pa.Table.from_pylist(ROWS[lo:hi])
+        new = pa.ipc.new_stream if fmt == "stream" else pa.ipc.new_file
+        with pa.OSFile(str(d / f"data-{k:05d}-of-00002.arrow"), "wb") as sink, new(sink, table.schema) as w:
+            w.write_table(table)
+    (d / "state.json").write_text("{}")
+    (d / "dataset_info.json").write_text("{}")
+    src = ArrowSource(str(d))
+    assert len(src) == 300 and src[0] == ROWS[0] and src[150] == ROWS[150]
+    assert open_source(str(d / "data-00001-of-00002.arrow"))[0] == ROWS[120]
