@@ -287,14 +287,25 @@ def make_sft_dataset(cfg: DataConfig, tokenizer, *, batch_size: int, seq_len: in
                          "chat, prompt_completion or auto")
     examples, rep = sft_examples(cfg, tokenizer, seq_len=seq_len, split=split)
     seed = cfg.shuffle_seed if seed is None else seed
-    train = split == "train"
+    ds, n = sft_batches(examples, cfg, batch_size=batch_size, seq_len=seq_len, seed=seed, train=split == "train",
+                        shard_index=shard_index, shard_count=shard_count)
+    return ds, rep, n
+
+
+def sft_batches(examples, cfg: DataConfig, *, batch_size: int, seq_len: int, seed: int, train: bool,
+                shard_index: int = 0, shard_count: int = 1) -> tuple[grain.IterDataset, int]:
+    """The Grain part: tokenised examples ({tokens, mask} of <= seq_len + 1 tokens) -> contract batches.
+
+    Returns (dataset, examples per epoch of this shard). Uses cfg.shuffle, num_epochs,
+    packing, packing_bins and num_workers.
+    """
     ds, n = _examples_dataset(examples, seed=seed, shuffle=train and cfg.shuffle, num_epochs=cfg.num_epochs if train else 1,
                               shard_index=shard_index, shard_count=shard_count)
     it_ds = ds.map_with_index(_ShiftAndTag(n)).to_iter_dataset(_READ)
     it_ds = _pack_or_pad(it_ds, cfg, batch_size=batch_size, seq_len=seq_len, seed=seed, shuffle_bins=train)
     it_ds = it_ds.batch(batch_size, drop_remainder=train)
     it_ds = it_ds.map(_ToContract(0 if train else batch_size))
-    return _finish(it_ds, cfg.num_workers), rep, n
+    return _finish(it_ds, cfg.num_workers), n
 
 
 def make_sft_iterator(cfg: DataConfig, tokenizer, *, batch_size: int, seq_len: int, seed: Optional[int] = None,

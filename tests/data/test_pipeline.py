@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from ptrain.config.data import GeneratedTaskConfig
 from ptrain.data import (
@@ -287,3 +288,32 @@ def test_truncated_examples_fill_a_row_exactly(packing, tokenizer, make_cfg, tmp
     np.testing.assert_array_equal(batch["positions"][0], np.arange(seq))
     np.testing.assert_array_equal(batch["input_ids"][0], full[:seq])
     np.testing.assert_array_equal(batch["target_ids"][0], full[1:seq + 1])
+
+
+@settings(max_examples=25, deadline=None)
+@given(lengths=st.lists(st.integers(2, 17), min_size=1, max_size=30), packing=st.booleans(),
+       batch=st.integers(1, 4))
+def test_any_lengths_pack_into_whole_examples(lengths, packing, batch):
+    """Examples of 2..17 tokens (16 = seq_len + 1 fills a row) come out whole, each once, in one
+    eval pass, with targets that never leave their segment."""
+    from ptrain.config.data import DataConfig
+    from ptrain.data.chat import TokenizedRows
+    from ptrain.data.pipeline import sft_batches
+
+    seq = 16
+    rng = np.random.default_rng(len(lengths))
+    examples = [(rng.integers(1, 400, n).astype(np.int32), (rng.random(n) < 0.7).astype(np.int8)) for n in lengths]
+    rows = TokenizedRows([(t, m) for t, m in examples], list(range(len(examples))))
+    cfg = DataConfig(packing=packing)
+    ds, _ = sft_batches(rows, cfg, batch_size=batch, seq_len=seq, seed=0, train=False)
+    seen = []
+    for b in ds:
+        seg, inp, tgt, pos, mask = (b[k] for k in ("segment_ids", "input_ids", "target_ids", "positions", "loss_mask"))
+        assert seg.shape == (batch, seq)
+        for r in range(batch):
+            for s in range(1, seg[r].max() + 1):
+                cols = np.flatnonzero(seg[r] == s)
+                np.testing.assert_array_equal(pos[r, cols], np.arange(len(cols)))
+                seen.append((tuple(inp[r, cols]) + (int(tgt[r, cols[-1]]),), tuple(mask[r, cols])))
+    want = [(tuple(t.tolist()), tuple(m[1:].astype(np.float32).tolist())) for t, m in examples if len(t) <= seq + 1]
+    assert sorted(seen) == sorted(want)
