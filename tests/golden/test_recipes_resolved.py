@@ -1,0 +1,40 @@
+"""Every recipe composes, and its resolved config is checked in (tests/golden/recipes/<name>.yaml),
+so that any change to a recipe or a default shows up in review.
+
+Re-pin after an intended change with:  PTRAIN_REPIN=1 python -m pytest tests/golden -q
+"""
+
+import os
+
+import pytest
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+
+from ptrain.config import register_configs, to_run_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PINNED = os.path.join(os.path.dirname(__file__), "recipes")
+RECIPES = sorted(f[:-5] for f in os.listdir(os.path.join(ROOT, "recipes")) if f.endswith(".yaml"))
+
+register_configs()
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_resolved_recipe_matches_the_pinned_copy(name):
+    with initialize_config_module(config_module="ptrain.conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"recipe={name}"])
+    run = to_run_config(cfg)
+    text = OmegaConf.to_yaml(OmegaConf.structured(run))
+    path = os.path.join(PINNED, f"{name}.yaml")
+    if os.environ.get("PTRAIN_REPIN") or not os.path.exists(path):
+        os.makedirs(PINNED, exist_ok=True)
+        with open(path, "w") as f:
+            f.write(text)
+        if not os.environ.get("PTRAIN_REPIN"):
+            pytest.fail(f"{path} did not exist; it has been written now. Review it and commit it.")
+    with open(path) as f:
+        pinned = f.read()
+    assert text == pinned, (
+        f"the resolved config of recipe '{name}' changed. If the change is intended (a recipe or a default was "
+        f"edited on purpose), re-pin with PTRAIN_REPIN=1 python -m pytest tests/golden and commit "
+        f"tests/golden/recipes/{name}.yaml with the change.")
