@@ -76,21 +76,27 @@ def filter_logits(logits_BxV: jax.Array, temperature: jax.Array, top_k: jax.Arra
 
 
 def sample_tokens(logits_BxV, rng, temperature, top_k, top_p):
-    """One sampling step: (token ids [B] int32, their log-probs [B] float32)."""
-    greedy = temperature <= 0.0
-    safe_t = jnp.where(greedy, 1.0, temperature)
-    filtered = filter_logits(logits_BxV, safe_t, top_k, top_p)
-    sampled = jax.random.categorical(rng, filtered, axis=-1)
-    logp_sampled = jax.nn.log_softmax(filtered, axis=-1)
-    argmax = jnp.argmax(logits_BxV, axis=-1)
-    logp_raw = jax.nn.log_softmax(logits_BxV.astype(jnp.float32), axis=-1)
-    tok = jnp.where(greedy, argmax, sampled).astype(jnp.int32)
-    logp = jnp.where(
-        greedy,
-        jnp.take_along_axis(logp_raw, tok[:, None], axis=-1)[:, 0],
-        jnp.take_along_axis(logp_sampled, tok[:, None], axis=-1)[:, 0],
-    )
-    return tok, logp
+    """One sampling step: (token ids [B] int32, their log-probs [B] float32).
+
+    Branches with lax.cond so greedy decoding skips sampling, and sampling without top-k /
+    top-p skips the vocabulary sort.
+    """
+    logits = logits_BxV.astype(jnp.float32)
+
+    def greedy(_):
+        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
+
+    def sampled(_):
+        need_filter = (top_k > 0) | (top_p < 1.0)
+        filtered = jax.lax.cond(need_filter, filter_logits, lambda x, t, k, p: x / t,
+                                logits, temperature, top_k, top_p)
+        tok = jax.random.categorical(rng, filtered, axis=-1).astype(jnp.int32)
+        logp = jax.nn.log_softmax(filtered, axis=-1)
+        return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
+
+    return jax.lax.cond(temperature <= 0.0, greedy, sampled, None)
 
 
 def _decode_mask(pad_B: jax.Array, q_slots_T: jax.Array, S: int, window: Optional[int]) -> jax.Array:

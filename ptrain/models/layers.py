@@ -166,6 +166,30 @@ def attend(
     return out.reshape(B, T, H, Dh)
 
 
+ATTN_QUERY_CHUNK = 64
+"""Query block of the causal self-attention without a cache. Each block attends only to
+keys up to its own end (and from its sliding-window start), skipping the masked upper
+triangle; on CPU at L=512 this ran 3.4x faster (forward + backward) than the full masked
+softmax and 2.6x faster than jax.nn.dot_product_attention (docs/perf_models.md)."""
+
+
+def causal_attend(
+    q_BxLxHxDh: jax.Array, k_BxLxKxDh: jax.Array, v_BxLxKxDh: jax.Array, mask_BxLxL: jax.Array,
+    sliding_window: Optional[int] = None, chunk: int = ATTN_QUERY_CHUNK,
+) -> jax.Array:
+    """`attend` for self-attention over one sequence (queries and keys at the same slots)
+    with a causal mask, computed block by block over queries (static shapes per block)."""
+    L = q_BxLxHxDh.shape[1]
+    if L <= chunk:
+        return attend(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask_BxLxL)
+    outs = []
+    for s in range(0, L, chunk):
+        e = min(s + chunk, L)
+        ks = 0 if sliding_window is None else max(0, s - sliding_window + 1)
+        outs.append(attend(q_BxLxHxDh[:, s:e], k_BxLxKxDh[:, ks:e], v_BxLxKxDh[:, ks:e], mask_BxLxL[:, s:e, ks:e]))
+    return jnp.concatenate(outs, axis=1)
+
+
 class Attention(nnx.Module):
     """Grouped-query self-attention with optional q/k bias and q/k RMSNorm (Qwen3)."""
 
@@ -178,6 +202,7 @@ class Attention(nnx.Module):
         self.v = param(rngs, (D, K, Dh), ("embed", "kv_heads", "head_dim"), std=cfg.init_std, dtype=pd)
         self.o = param(rngs, (H, Dh, D), ("heads", "head_dim", "embed"), std=cfg.init_std, dtype=pd)
         self.qkv_bias = cfg.qkv_bias
+        self.sliding_window = cfg.sliding_window
         if cfg.qkv_bias:
             self.q_bias = param(rngs, (H, Dh), ("heads", "head_dim"), init="zeros", dtype=pd)
             self.k_bias = param(rngs, (K, Dh), ("kv_heads", "head_dim"), init="zeros", dtype=pd)
@@ -213,18 +238,16 @@ class Attention(nnx.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        new_cache = None
-        if kv_cache is not None:
-            ck, cv = kv_cache
-            zero = jnp.zeros((), jnp.int32)
-            start = (zero, cache_index.astype(jnp.int32), zero, zero)
-            ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), start)
-            cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), start)
-            new_cache = (ck, cv)
-            k, v = ck.astype(self.dtype), cv.astype(self.dtype)
-        out = attend(q, k, v, mask_BxTxS)
-        y = jnp.einsum("blnh,nhd->bld", out, self.o[...].astype(self.dtype))
-        return y, new_cache
+        if kv_cache is None:
+            out = causal_attend(q, k, v, mask_BxTxS, self.sliding_window)
+            return jnp.einsum("blnh,nhd->bld", out, self.o[...].astype(self.dtype)), None
+        ck, cv = kv_cache
+        zero = jnp.zeros((), jnp.int32)
+        start = (zero, cache_index.astype(jnp.int32), zero, zero)
+        ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), start)
+        cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), start)
+        out = attend(q, ck.astype(self.dtype), cv.astype(self.dtype), mask_BxTxS)
+        return jnp.einsum("blnh,nhd->bld", out, self.o[...].astype(self.dtype)), (ck, cv)
 
 
 class MLP(nnx.Module):

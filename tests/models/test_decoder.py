@@ -129,3 +129,20 @@ def test_bad_config_is_rejected_with_the_field_name():
         Decoder(dataclasses.replace(TINY, n_kv_heads=3), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="vocab_size"):
         Decoder(dataclasses.replace(TINY, vocab_size=0), rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_blocked_causal_attention_equals_the_full_masked_softmax(window):
+    """L = 150 spans three query blocks of 64, with packed segments and a sliding window."""
+    from ptrain.models.layers import attend, attention_mask, causal_attend
+
+    B, L, H, K, Dh = 2, 150, 4, 2, 8
+    ks = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(ks[0], (B, L, H, Dh))
+    k = jax.random.normal(ks[1], (B, L, K, Dh))
+    v = jax.random.normal(ks[2], (B, L, K, Dh))
+    seg = jnp.asarray(np.repeat([[1, 2, 3, 0], [1, 1, 2, 2]], [50, 40, 45, 15], axis=1), jnp.int32)
+    mask = attention_mask(seg, window)
+    full = jax.jit(attend)(q, k, v, mask)
+    blocked = jax.jit(causal_attend, static_argnums=(4,))(q, k, v, mask, window)
+    np.testing.assert_allclose(blocked, full, atol=1e-5)
