@@ -83,7 +83,7 @@ def main(argv=None) -> None:
     for _ in range(args.batches):
         next(it)
     t_it = time.perf_counter() - t0
-    st = packing_stats(dataclasses.replace(cfg), tok, batch_size=args.batch_size, seq_len=args.seq_len)
+    st = packing_stats(cfg, tok, batch_size=args.batch_size, seq_len=args.seq_len, n_batches=min(args.batches, 50))
     slots = args.batch_size * args.seq_len
     print(f"tokenise: {len(examples)} rows in {t_tok:.2f} s = {len(examples) / t_tok:,.0f} rows/s; "
           f"example length (next-token pairs) mean {lengths.mean():.1f} min {lengths.min()} max {lengths.max()}")

@@ -118,13 +118,13 @@ def test_iterator_exposes_report_and_never_yields_bad_rows(bad_file, tokenizer, 
     assert any("What is 3 + 3?" in t for t in texts) and sum("What is 2 + 2?" in t for t in texts) == 2
 
 
-def test_stats_cli_reports_bad_rows_and_shows_the_trained_part(tmp_path, capsys):
+def test_stats_cli_reports_bad_rows_and_shows_the_trained_part(tmp_path, tok_dir, capsys):
     from ptrain.data.stats import main
 
     path = tmp_path / "u.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in (GOOD_PC, {"messages": [{"role": "user", "content": "x"}]},
                                                       GOOD)) + "\n")
-    main(["--train-path", str(path), "--batch-size", "2", "--batches", "2", "--seq-len", "64"])
+    main(["--train-path", str(path), "--batch-size", "2", "--batches", "2", "--seq-len", "64", "--tokenizer", tok_dir])
     out = capsys.readouterr().out
     assert "2 of 3 rows used" in out and "empty_assistant: 1 (rows [1])" in out
     assert "What is 3 + 3?<|im_end|>\n<|im_start|>assistant\n[[Answer: 6<|im_end|>]]" in out
