@@ -14,6 +14,11 @@ peak measured in the same run (jitted float32 4096x4096 jnp.dot).
 
   python tools/bench_moe.py                          # both issue shapes
   python tools/bench_moe.py --experts 16 --top-k 4 --skip ragged_dot dense
+  python tools/bench_moe.py --single-thread          # 1 thread each, CPU time: for a loaded machine
+
+--single-thread runs XLA and torch on one thread and times process CPU time instead of
+wall time: on a shared machine under load the wall-clock ratios drift with the load,
+while single-thread CPU times stay comparable (they do not show threading efficiency).
 """
 
 from __future__ import annotations
@@ -21,7 +26,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
+
+if __name__ == "__main__" and "--single-thread" in sys.argv:  # must precede the jax import
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1").strip()
 
 import jax
 import jax.numpy as jnp
@@ -30,22 +40,17 @@ import numpy as np
 from ptrain.kernels import moe
 
 
-def _time(fn, repeats):
-    fn()  # compile / warm up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return times
+CLOCK = time.perf_counter
 
 
-def matmul_peak(repeats: int) -> float:
-    """GFLOP/s of a jitted float32 4096^3 matmul (best of `repeats`)."""
-    a = jax.random.normal(jax.random.PRNGKey(0), (4096, 4096), jnp.float32)
+PEAK_N = 4096
+
+
+def matmul_run():
+    """A jitted float32 4096^3 matmul: the peak the roofline is measured against."""
+    a = jax.random.normal(jax.random.PRNGKey(0), (PEAK_N, PEAK_N), jnp.float32)
     f = jax.jit(jnp.dot)
-    times = _time(lambda: f(a, a).block_until_ready(), repeats)
-    return 2 * 4096**3 / min(times) / 1e9
+    return lambda: f(a, a).block_until_ready()
 
 
 def make_params(T, D, F, E, seed=0):
@@ -113,12 +118,26 @@ def torch_layer(p, top_k):
     return run
 
 
-def bench_shape(T, D, F, E, k, repeats, skip, peak):
+def dense_bytes(kind, T, D, F, E, k):
+    """Rough peak memory of the variants that materialise every expert for every row."""
+    if kind == "dense":
+        return 6 * T * E * F * 4  # gate, up, h and their gradients, [T, E, F] float32
+    if kind == "ragged_dot":
+        return 2 * T * k * E * max(2 * F, D) * 4  # masked [M, E, N] products, forward and backward
+    return 0
+
+
+def bench_shape(T, D, F, E, k, repeats, skip, max_gb):
     p = make_params(T, D, F, E)
-    runs = {}
+    runs = {"matmul": matmul_run()}
     for kind in ("ptrain", "ragged_dot", "dense"):
-        if kind not in skip:
-            runs[kind] = (lambda r: (lambda: r(p)))(jax_layer(kind, k))
+        if kind in skip:
+            continue
+        gb = dense_bytes(kind, T, D, F, E, k) / 2**30
+        if gb > max_gb:
+            print(f"  {kind}: skipped, needs about {gb:.1f} GB (> --max-gb {max_gb})")
+            continue
+        runs[kind] = (lambda r: (lambda: r(p)))(jax_layer(kind, k))
     if "torch" not in skip:
         runs["torch"] = torch_layer(p, k)
     for fn in runs.values():
@@ -126,7 +145,11 @@ def bench_shape(T, D, F, E, k, repeats, skip, peak):
     times = {name: [] for name in runs}
     for _ in range(repeats):  # interleaved, so load changes hit every variant alike
         for name, fn in runs.items():
-            times[name].extend(_time(fn, 1))
+            t0 = CLOCK()
+            fn()
+            times[name].append(CLOCK() - t0)
+    # The peak is timed interleaved with the variants, so a load change moves both.
+    peak = 2 * PEAK_N**3 / min(times.pop("matmul")) / 1e9
     flops = 3 * (6 * T * k * D * F + 2 * T * D * E)
     roofline_ms = flops / (peak * 1e9) * 1e3
     rows = []
@@ -137,7 +160,7 @@ def bench_shape(T, D, F, E, k, repeats, skip, peak):
     torch_best = next((r["best_ms"] for r in rows if r["name"] == "torch"), None)
     for r in rows:
         r["speedup_vs_torch"] = torch_best / r["best_ms"] if torch_best else float("nan")
-    return rows, roofline_ms, flops
+    return rows, roofline_ms, flops, peak
 
 
 def main():
@@ -149,21 +172,29 @@ def main():
     ap.add_argument("--top-k", type=int, nargs="*", default=[4, 8])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip", nargs="*", default=[], choices=["ptrain", "ragged_dot", "dense", "torch"])
+    ap.add_argument("--single-thread", action="store_true", help="one thread each; time CPU seconds")
+    ap.add_argument("--max-gb", type=float, default=3.0, help="skip dense variants needing more memory")
     args = ap.parse_args()
+    global CLOCK
+    if args.single_thread:
+        CLOCK = time.process_time
     if len(args.experts) != len(args.top_k):
         ap.error("--experts and --top-k pair up: give the same number of each")
     try:
         import torch
 
-        torch.set_num_threads(os.cpu_count())
+        torch.set_num_threads(1 if args.single_thread else os.cpu_count())
     except ImportError:
         args.skip.append("torch")
-    peak = matmul_peak(args.repeats)
-    print(f"jax {jax.__version__}, {os.cpu_count()} CPUs, float32 matmul peak {peak:.1f} GFLOP/s (4096^3 jnp.dot)")
+    mode = "1 thread, CPU time" if args.single_thread else f"{os.cpu_count()} CPUs, wall time"
+    print(f"jax {jax.__version__}, torch {torch.__version__ if 'torch' not in args.skip else '-'}, {mode}")
     for E, k in zip(args.experts, args.top_k):
-        rows, roofline_ms, flops = bench_shape(args.tokens, args.d_model, args.d_ff, E, k, args.repeats, args.skip, peak)
+        load = os.getloadavg()[0]
+        rows, roofline_ms, flops, peak = bench_shape(args.tokens, args.d_model, args.d_ff, E, k, args.repeats,
+                                                     args.skip, args.max_gb)
         print(f"\nT={args.tokens} d={args.d_model} f={args.d_ff} E={E} top-{k}: {flops / 1e9:.1f} GFLOP active "
-              f"(fwd+bwd), roofline {roofline_ms:.0f} ms")
+              f"(fwd+bwd); matmul peak {peak:.0f} GFLOP/s (float32 4096^3 jnp.dot, interleaved) -> roofline "
+              f"{roofline_ms:.0f} ms; load average {load:.1f} -> {os.getloadavg()[0]:.1f}")
         print("| variant | best ms | median ms | GFLOP/s | % peak | x roofline | speed-up vs torch |")
         print("|---|---|---|---|---|---|---|")
         for r in rows:

@@ -100,6 +100,9 @@ def permute(x_TxD: jax.Array, expert_ids_Txk: jax.Array, n_experts: int):
 
     x_sorted[m] = x[sort_idx[m] // k], sort_idx = stable argsort of expert_ids.ravel().
 
+    Expert ids should lie in [0, n_experts) (not checkable under jit): an id outside drops
+    out of group_sizes, its row sorts past the groups and its expert output is zero.
+
     Returns:
       x_sorted_MxD (M = T*k), group_sizes_E int32 (rows per expert, zeros allowed),
       and the `Permutation` that `combine` needs. The VJP gathers with the inverse.
@@ -112,6 +115,8 @@ def permute(x_TxD: jax.Array, expert_ids_Txk: jax.Array, n_experts: int):
     if not jnp.issubdtype(expert_ids_Txk.dtype, jnp.integer):
         raise ValueError(f"permute: expert_ids_Txk must be integer, got {expert_ids_Txk.dtype}.")
     flat_M = expert_ids_Txk.reshape(-1).astype(jnp.int32)
+    # Out-of-range ids (negative ones too) sort last, past every group.
+    flat_M = jnp.where((flat_M >= 0) & (flat_M < n_experts), flat_M, n_experts)
     M = flat_M.shape[0]
     sort_idx = jnp.argsort(flat_M, stable=True).astype(jnp.int32)
     inv_idx = jnp.zeros((M,), jnp.int32).at[sort_idx].set(jnp.arange(M, dtype=jnp.int32))

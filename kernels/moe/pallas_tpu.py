@@ -11,8 +11,10 @@ only its own group's rows (gmm), or the reduction over a group's row tiles ends 
 the group id changes (tgmm). The work-item grid axis is sized by the traced number of
 active items (a dynamic grid bound, as in megablox), so no step is wasted on padding.
 
-Layout: tm must be a multiple of 8 (16 for bfloat16), tk and tn multiples of 128 or the
-full dimension; `_fit` enforces the divisibility and falls back to full dimensions.
+Layout: tm must be a multiple of 8 (16 for bfloat16; 128 in tgmm, where it is the lane
+dimension of the transposed lhs block), tk and tn multiples of 128 dividing the dimension
+or the full dimension; `_tiles` rounds or falls back to full dimensions accordingly.
+Interpret mode keeps small tiles as given so that tests can cover many tiles cheaply.
 `interpret=True` runs the same kernels on CPU under `pltpu.InterpretParams` with NaN-filled
 uninitialised memory and race detection, which is how the tests check them.
 """
@@ -28,12 +30,17 @@ from jax.experimental.pallas import tpu as pltpu
 
 from .metadata import make_group_metadata, round_up
 
-DEFAULT_TILING = (512, 1024, 1024)
+# bf16: lhs, rhs and out blocks of 0.5 MiB plus a 1 MiB float32 accumulator, about 4 MiB
+# double-buffered, inside the default scoped VMEM of every TPU generation.
+DEFAULT_TILING = (512, 512, 512)
+LANES = 128
 
 
-def _fit(block: int, dim: int) -> int:
-    """A block that tiles `dim` exactly: `block` if it divides dim, else the whole dim."""
-    return block if block < dim and dim % block == 0 else dim
+def _fit(block: int, dim: int, strict: bool) -> int:
+    """A lane-dim block that tiles `dim` exactly: `block` if it divides dim (and, for the
+    chip, is a multiple of 128), else the whole dim (Mosaic accepts either)."""
+    lanes_ok = block % LANES == 0 or not strict
+    return block if block < dim and dim % block == 0 and lanes_ok else dim
 
 
 def _interpret_params(interpret: bool):
@@ -42,11 +49,15 @@ def _interpret_params(interpret: bool):
     return pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
 
 
-def _tiles(m, k, n, dtype, tiling):
+def _tiles(m, k, n, dtype, tiling, *, strict, tm_is_lane_dim=False):
+    """(tm, tk, tn) obeying Mosaic's block rules when `strict` (compiling for the chip);
+    tgmm reads lhs transposed, so there tm is the lane (last) dimension of a block and
+    must be a multiple of 128 unless it covers m."""
     tm, tk, tn = tiling or DEFAULT_TILING
     sublane = 16 if jnp.dtype(dtype).itemsize == 2 else 8
-    tm = min(round_up(tm, sublane), round_up(m, sublane))
-    return tm, _fit(tk, k), _fit(tn, n)
+    tm = round_up(tm, LANES if (tm_is_lane_dim and strict) else sublane)
+    tm = min(tm, round_up(m, sublane))
+    return tm, _fit(tk, k, strict), _fit(tn, n, strict)
 
 
 def _row_mask(offsets_ref, group_ids_ref, tile_ids_ref, w, shape, axis):
@@ -78,7 +89,7 @@ def gmm(lhs_MxK, rhs_GxKxN, group_sizes_G, *, transpose_rhs=False, out_dtype=Non
     G = rhs_GxKxN.shape[0]
     N = rhs_GxKxN.shape[1] if transpose_rhs else rhs_GxKxN.shape[2]
     out_dtype = out_dtype or lhs_MxK.dtype
-    tm, tk, tn = _tiles(M, K, N, lhs_MxK.dtype, tiling)
+    tm, tk, tn = _tiles(M, K, N, lhs_MxK.dtype, tiling, strict=not interpret)
     m_pad = round_up(M, tm)
     lhs = jnp.pad(lhs_MxK, ((0, m_pad - M), (0, 0)))
     meta = make_group_metadata(group_sizes_G, m_pad, tm)
@@ -136,7 +147,7 @@ def tgmm(lhs_MxK, dout_MxN, group_sizes_G, *, out_dtype=None, tiling=None, inter
     N = dout_MxN.shape[1]
     G = group_sizes_G.shape[0]
     out_dtype = out_dtype or lhs_MxK.dtype
-    tm, tk, tn = _tiles(M, K, N, lhs_MxK.dtype, tiling)
+    tm, tk, tn = _tiles(M, K, N, lhs_MxK.dtype, tiling, strict=not interpret, tm_is_lane_dim=True)
     m_pad = round_up(M, tm)
     # megablox takes lhs transposed ([K, M]) so that the MXU sees a plain (tk, tm) x (tm, tn) matmul.
     lhs_t = jnp.pad(lhs_MxK, ((0, m_pad - M), (0, 0))).T

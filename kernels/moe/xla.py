@@ -1,11 +1,11 @@
 """Portable grouped matmul in plain XLA: sorted rows, per-group blocked matmuls.
 
 `lax.ragged_dot` on XLA:CPU multiplies every row by every expert and masks (cost grows
-with the number of experts). Here an outer loop walks the groups and an inner loop
-walks the group's rows in tiles of `tm` that start at the group's first row, so each
-step is one ordinary (tm x K) @ (K x N) dot that XLA runs multi-threaded, the group's
-weight slice is taken once per group, and the work is the active FLOPs plus at most one
-partial tile per group.
+with the number of experts). Here an outer loop walks the groups and inner loops walk
+the group's rows in tiles that start at the group's first row (large tiles, then
+smaller ones for the remainder: `pick_tiles`), so each step is one ordinary
+(tm x K) @ (K x N) dot that XLA runs multi-threaded, the group's weight slice is taken
+once per group, and the work is the active FLOPs plus less than one small tile per group.
 
 Tiles are written whole, without masks: a tile's rows past its group's end are
 rewritten by the next group's first tile, which starts exactly there and is written
@@ -24,14 +24,28 @@ import jax.numpy as jnp
 from .metadata import round_up
 
 
-def pick_tm(m: int, n_groups: int, tm: int | None) -> int:
-    """Row tile: large enough to amortise a loop step, small enough that the G partial
-    tiles stay a small fraction of the rows (about a quarter of the mean group size)."""
-    if tm is None:
-        tm = 512
-        while tm > 64 and tm * 4 > max(m // max(n_groups, 1), 1):
-            tm //= 2
-    return min(tm, round_up(max(m, 1), 8))
+def pick_tiles(m: int, n_groups: int, tm: int | None) -> tuple[int, ...]:
+    """Row tile sizes, largest first: each group is covered by as many large tiles as fit,
+    then smaller ones, so the rows computed past a group's end (the last tile's overhang)
+    stay under the smallest size instead of growing with the large one. The large size is
+    at most half the mean group size (down to 64). An explicit `tm` gives one size."""
+    if tm is not None:
+        return (min(tm, round_up(max(m, 1), 8)),)
+    big = 512
+    while big > 64 and big * 2 > max(m // max(n_groups, 1), 1):
+        big //= 2
+    return tuple(t for t in (big, big // 4, big // 16) if t >= 16) or (16,)
+
+
+def _tile_loop(start, end, tms, body, carry):
+    """carry = body(r0, tm, carry) for tiles covering rows [start, end) in order: floor-many
+    tiles of each size but the last, whose ceil-many tiles may overhang `end`."""
+    r = start
+    for j, tm in enumerate(tms):
+        n = (end - r + tm - 1) // tm if j == len(tms) - 1 else (end - r) // tm
+        carry = jax.lax.fori_loop(0, n, lambda i, c, r=r, tm=tm: body(r + i * tm, tm, c), carry)
+        r = r + n * tm
+    return carry
 
 
 def _offsets(group_sizes_G, m):
@@ -40,7 +54,7 @@ def _offsets(group_sizes_G, m):
 
 
 def _pad_rows(x, rows):
-    # tm extra rows so that a tile starting at any row < m is never clamped by dynamic_slice.
+    # max(tms) extra rows so that a tile starting at any row < m is never clamped by dynamic_slice.
     return jnp.pad(x, ((0, rows), (0, 0)))
 
 
@@ -55,25 +69,23 @@ def gmm(lhs_MxK, rhs_GxKxN, group_sizes_G, *, transpose_rhs=False, out_dtype=Non
     G = rhs_GxKxN.shape[0]
     N = rhs_GxKxN.shape[1] if transpose_rhs else rhs_GxKxN.shape[2]
     out_dtype = out_dtype or lhs_MxK.dtype
-    tm = pick_tm(M, G, tm)
-    lhs = _pad_rows(lhs_MxK, tm)
+    tms = pick_tiles(M, G, tm)
+    lhs = _pad_rows(lhs_MxK, tms[0])
     offs = _offsets(group_sizes_G, M)
     contract = (((1,), (1 if transpose_rhs else 0,)), ((), ()))
 
     def group_body(g, out):
-        start, end = offs[g], offs[g + 1]
         w = rhs_GxKxN[g]
 
-        def tile_body(i, out):
-            r0 = start + i * tm
+        def tile_body(r0, tm, out):
             x = jax.lax.dynamic_slice_in_dim(lhs, r0, tm)
             y = jax.lax.dot_general(x, w, contract, preferred_element_type=jnp.float32).astype(out_dtype)
             return jax.lax.dynamic_update_slice_in_dim(out, y, r0, 0)
 
-        return jax.lax.fori_loop(0, (end - start + tm - 1) // tm, tile_body, out)
+        return _tile_loop(offs[g], offs[g + 1], tms, tile_body, out)
 
     # zeros_like keeps lhs's varying-manual-axes type, so the loop also works inside shard_map.
-    out = jax.lax.fori_loop(0, G, group_body, jnp.zeros_like(lhs, out_dtype, (M + tm, N)))
+    out = jax.lax.fori_loop(0, G, group_body, jnp.zeros_like(lhs, out_dtype, (M + tms[0], N)))
     return _zero_past(out[:M], offs[-1])
 
 
@@ -87,22 +99,21 @@ def tgmm(lhs_MxK, dout_MxN, group_sizes_G, *, out_dtype=None, tm=None):
     N = dout_MxN.shape[1]
     G = group_sizes_G.shape[0]
     out_dtype = out_dtype or lhs_MxK.dtype
-    tm = pick_tm(M, G, tm)
-    lhs, dout = _pad_rows(lhs_MxK, tm), _pad_rows(dout_MxN, tm)
+    tms = pick_tiles(M, G, tm)
+    lhs, dout = _pad_rows(lhs_MxK, tms[0]), _pad_rows(dout_MxN, tms[0])
     offs = _offsets(group_sizes_G, M)
 
     def group_body(g, out):
         start, end = offs[g], offs[g + 1]
 
-        def tile_body(i, acc):
-            r0 = start + i * tm
+        def tile_body(r0, tm, acc):
             mask = _tile_mask(start, end, r0, tm)
             # Both operands masked: the next group's rows must not leak in, even as inf * 0.
             x = jnp.where(mask, jax.lax.dynamic_slice_in_dim(lhs, r0, tm), 0)
             d = jnp.where(mask, jax.lax.dynamic_slice_in_dim(dout, r0, tm), 0)
             return acc + jax.lax.dot_general(x, d, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
-        acc = jax.lax.fori_loop(0, (end - start + tm - 1) // tm, tile_body, jnp.zeros_like(lhs, jnp.float32, (K, N)))
+        acc = _tile_loop(start, end, tms, tile_body, jnp.zeros_like(lhs, jnp.float32, (K, N)))
         return jax.lax.dynamic_update_index_in_dim(out, acc.astype(out_dtype), g, 0)
 
     return jax.lax.fori_loop(0, G, group_body, jnp.zeros_like(lhs, out_dtype, (G, K, N)))
@@ -117,20 +128,18 @@ def _silu_parts(h_f32, F):
     return g, u, sig, g * sig
 
 
-def _ffn_forward(x_MxD, offs, w_gu_Ex2F, w_down, tm):
+def _ffn_forward(x_MxD, offs, w_gu_Ex2F, w_down, tms):
     """Per group, per tile: h = x [gate|up]; a = silu(h_g) h_u; y = a down. Keeps h (float32)."""
     M, D = x_MxD.shape
     F = w_down.shape[1]
     dt = x_MxD.dtype
-    xp = _pad_rows(x_MxD, tm)
+    xp = _pad_rows(x_MxD, tms[0])
 
     def group_body(g, carry):
-        start, end = offs[g], offs[g + 1]
         wgu, wd = w_gu_Ex2F[g], w_down[g]
 
-        def tile_body(i, carry):
+        def tile_body(r0, tm, carry):
             out, h_all = carry
-            r0 = start + i * tm
             h = jnp.dot(jax.lax.dynamic_slice_in_dim(xp, r0, tm), wgu, preferred_element_type=jnp.float32)
             _, u, _, silu = _silu_parts(h, F)
             y = jnp.dot((silu * u).astype(dt), wd, preferred_element_type=jnp.float32).astype(dt)
@@ -139,18 +148,18 @@ def _ffn_forward(x_MxD, offs, w_gu_Ex2F, w_down, tm):
             h_all = jax.lax.dynamic_update_slice_in_dim(h_all, h, r0, 0)
             return out, h_all
 
-        return jax.lax.fori_loop(0, (end - start + tm - 1) // tm, tile_body, carry)
+        return _tile_loop(offs[g], offs[g + 1], tms, tile_body, carry)
 
-    init = (jnp.zeros_like(xp, dt, (M + tm, D)), jnp.zeros_like(xp, jnp.float32, (M + tm, 2 * F)))
+    init = (jnp.zeros_like(xp, dt, (M + tms[0], D)), jnp.zeros_like(xp, jnp.float32, (M + tms[0], 2 * F)))
     out, h_all = jax.lax.fori_loop(0, w_gu_Ex2F.shape[0], group_body, init)
     return _zero_past(out[:M], offs[-1]), h_all
 
 
-def _ffn_backward(x_MxD, h_all, dy_MxD, offs, w_gu_Ex2F, w_down, tm):
+def _ffn_backward(x_MxD, h_all, dy_MxD, offs, w_gu_Ex2F, w_down, tms):
     M, D = x_MxD.shape
     E, F = w_down.shape[0], w_down.shape[1]
     dt = x_MxD.dtype
-    xp, dyp = _pad_rows(x_MxD, tm), _pad_rows(dy_MxD.astype(dt), tm)
+    xp, dyp = _pad_rows(x_MxD, tms[0]), _pad_rows(dy_MxD.astype(dt), tms[0])
     t_dims = (((0,), (0,)), ((), ()))  # a.T @ b without materialising the transpose
 
     def group_body(g, carry):
@@ -158,9 +167,8 @@ def _ffn_backward(x_MxD, h_all, dy_MxD, offs, w_gu_Ex2F, w_down, tm):
         start, end = offs[g], offs[g + 1]
         wgu, wd = w_gu_Ex2F[g], w_down[g]
 
-        def tile_body(i, carry):
+        def tile_body(r0, tm, carry):
             dx, acc_gu, acc_d = carry
-            r0 = start + i * tm
             # Masking dy alone zeroes d a, d h and so every product of rows outside the group
             # (h is finite: it was computed from finite rows).
             x = jax.lax.dynamic_slice_in_dim(xp, r0, tm)
@@ -177,31 +185,31 @@ def _ffn_backward(x_MxD, h_all, dy_MxD, offs, w_gu_Ex2F, w_down, tm):
             return dx, acc_gu, acc_d
 
         init = (dx, jnp.zeros_like(xp, jnp.float32, (D, 2 * F)), jnp.zeros_like(xp, jnp.float32, (F, D)))
-        dx, acc_gu, acc_d = jax.lax.fori_loop(0, (end - start + tm - 1) // tm, tile_body, init)
+        dx, acc_gu, acc_d = _tile_loop(start, end, tms, tile_body, init)
         dwgu = jax.lax.dynamic_update_index_in_dim(dwgu, acc_gu.astype(dwgu.dtype), g, 0)
         dwd = jax.lax.dynamic_update_index_in_dim(dwd, acc_d.astype(dwd.dtype), g, 0)
         return dx, dwgu, dwd
 
-    init = (jnp.zeros_like(xp, dt, (M + tm, D)), jnp.zeros_like(xp, w_gu_Ex2F.dtype, (E, D, 2 * F)),
+    init = (jnp.zeros_like(xp, dt, (M + tms[0], D)), jnp.zeros_like(xp, w_gu_Ex2F.dtype, (E, D, 2 * F)),
             jnp.zeros_like(xp, w_down.dtype, (E, F, D)))
     dx, dwgu, dwd = jax.lax.fori_loop(0, E, group_body, init)
     return _zero_past(dx[:M], offs[-1]), dwgu, dwd
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _fused_ffn(x_MxD, group_sizes_E, w_gu_ExDx2F, w_down_ExFxD, tm):
-    return _ffn_forward(x_MxD, _offsets(group_sizes_E, x_MxD.shape[0]), w_gu_ExDx2F, w_down_ExFxD, tm)[0]
+def _fused_ffn(x_MxD, group_sizes_E, w_gu_ExDx2F, w_down_ExFxD, tms):
+    return _ffn_forward(x_MxD, _offsets(group_sizes_E, x_MxD.shape[0]), w_gu_ExDx2F, w_down_ExFxD, tms)[0]
 
 
-def _fused_ffn_fwd(x_MxD, group_sizes_E, w_gu_ExDx2F, w_down_ExFxD, tm):
+def _fused_ffn_fwd(x_MxD, group_sizes_E, w_gu_ExDx2F, w_down_ExFxD, tms):
     offs = _offsets(group_sizes_E, x_MxD.shape[0])
-    y, h_all = _ffn_forward(x_MxD, offs, w_gu_ExDx2F, w_down_ExFxD, tm)
+    y, h_all = _ffn_forward(x_MxD, offs, w_gu_ExDx2F, w_down_ExFxD, tms)
     return y, (x_MxD, h_all, offs, w_gu_ExDx2F, w_down_ExFxD)
 
 
-def _fused_ffn_bwd(tm, res, dy_MxD):
+def _fused_ffn_bwd(tms, res, dy_MxD):
     x, h_all, offs, w_gu, w_down = res
-    dx, dwgu, dwd = _ffn_backward(x, h_all, dy_MxD, offs, w_gu, w_down, tm)
+    dx, dwgu, dwd = _ffn_backward(x, h_all, dy_MxD, offs, w_gu, w_down, tms)
     return dx, None, dwgu, dwd
 
 
@@ -216,5 +224,5 @@ def fused_expert_ffn(x_sorted_MxD, group_sizes_E, w_gu_ExDx2F, w_down_ExFxD, *, 
     does all five products of a tile (d a, d down, d h, d x, d [gate|up]) while the tile
     and the expert's weights are in cache. Rows past sum(group_sizes) give zeros.
     """
-    tm = pick_tm(x_sorted_MxD.shape[0], w_gu_ExDx2F.shape[0], tm)
-    return _fused_ffn(x_sorted_MxD, group_sizes_E.astype(jnp.int32), w_gu_ExDx2F, w_down_ExFxD, tm)
+    tms = pick_tiles(x_sorted_MxD.shape[0], w_gu_ExDx2F.shape[0], tm)
+    return _fused_ffn(x_sorted_MxD, group_sizes_E.astype(jnp.int32), w_gu_ExDx2F, w_down_ExFxD, tms)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from moe_gmm_checks import CASES, GROUP_SIZES, G, TOL, _operands, check_gmm
+from .moe_gmm_checks import CASES, GROUP_SIZES, G, TOL, _operands, check_gmm
 
 from ptrain.kernels import moe
 from ptrain.kernels.moe import reference
@@ -29,7 +29,7 @@ def test_grouped_matmul_cases(impl, dtype, sizes):
 
 
 @pytest.mark.parametrize("tiling", [None, (8, 16, 24)])
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sizes=GROUP_SIZES)
 def test_grouped_matmul_xla_hypothesis(sizes, tiling):
     check_gmm("xla", jnp.float32, sizes, tiling)
@@ -130,3 +130,40 @@ def test_moe_ffn_rejects_bad_shapes(ffn_inputs):
         moe.moe_ffn(x, ids, w, wg, wu, wd[:, :, :3])
     with pytest.raises(ValueError, match="both"):
         moe.moe_ffn(x, ids, w, wg, wu, wd, expert_axis="expert")
+
+
+def test_xla_path_large_groups_use_three_tile_sizes():
+    # Mean group of 1050 rows: tiles of 512, then 128, then 32 rows (xla.pick_tiles).
+    from ptrain.kernels.moe import xla
+
+    M2, G2 = 2100, 2
+    assert xla.pick_tiles(M2, G2, None) == (512, 128, 32)
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(5), 3)
+    lhs = jax.random.normal(k1, (M2, 16))
+    rhs = jax.random.normal(k2, (G2, 16, 8))
+    cot = jax.random.normal(k3, (M2, 8))
+    gs = jnp.array([1500, 587], jnp.int32)  # 13 rows past the groups
+
+    def f(fn, lhs, rhs):
+        return jnp.sum(fn(lhs, rhs, gs) * cot)
+
+    got = jax.jit(jax.grad(functools.partial(f, functools.partial(moe.grouped_matmul, implementation="xla")),
+                           argnums=(0, 1)))(lhs, rhs)
+    want = jax.grad(functools.partial(f, reference.grouped_matmul), argnums=(0, 1))(lhs, rhs)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-4)
+    out = moe.grouped_matmul(lhs, rhs, gs, implementation="xla")
+    np.testing.assert_allclose(np.asarray(out), np.asarray(reference.grouped_matmul(lhs, rhs, gs)), rtol=2e-5,
+                               atol=2e-5)
+    assert not np.any(np.asarray(out)[2087:])
+
+
+def test_out_of_range_expert_ids_contribute_nothing(ffn_inputs):
+    x, ids, w, wg, wu, wd = ffn_inputs
+    bad = ids.at[0, 0].set(-1).at[1, 1].set(E)
+    y = moe.moe_ffn(x, bad, w, wg, wu, wd, implementation="xla")
+    w_ok = w.at[0, 0].set(0.0).at[1, 1].set(0.0)
+    y_ref = reference.moe_ffn(x, jnp.clip(bad, 0, E - 1), w_ok, wg, wu, wd)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
+    _, gs, _ = moe.permute(x, bad, E)
+    assert int(gs.sum()) == T * TOPK - 2
