@@ -17,6 +17,7 @@ Sequence-level sums over the loss mask give the per-sequence log-probs of the lo
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 import grain
@@ -190,8 +191,6 @@ def make_preference_pass(cfg: DataConfig, tokenizer, *, batch_size: int, seq_len
                          shard_index: int = 0, shard_count: int = 1) -> DataIterator:
     """One in-order pass over a split's pairs, last batch padded: for precomputing per-pair values
     (e.g. reference log-probs, stored by pair_index)."""
-    import dataclasses
-
     one = dataclasses.replace(cfg, num_epochs=1, shuffle=False)
     pairs, rep = preference_examples(one, tokenizer, seq_len=seq_len, split=split)
     ds, n = _examples_dataset(pairs, seed=0, shuffle=False, num_epochs=1, shard_index=shard_index,
