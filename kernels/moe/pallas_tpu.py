@@ -16,7 +16,8 @@ dimension of the transposed lhs block), tk and tn multiples of 128 dividing the 
 or the full dimension; `_tiles` rounds or falls back to full dimensions accordingly.
 Interpret mode keeps small tiles as given so that tests can cover many tiles cheaply.
 `interpret=True` runs the same kernels on CPU under `pltpu.InterpretParams` with NaN-filled
-uninitialised memory and race detection, which is how the tests check them.
+uninitialised memory and race detection over two simulated cores (the "parallel" grid
+axes are split between them, as on a megacore chip), which is how the tests check them.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def _fit(block: int, dim: int, strict: bool) -> int:
 def _interpret_params(interpret: bool):
     if not interpret:
         return False
-    return pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
+    return pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan", num_cores_or_threads=2)
 
 
 def _tiles(m, k, n, dtype, tiling, *, strict, tm_is_lane_dim=False):
