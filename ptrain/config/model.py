@@ -19,7 +19,9 @@ class ModelConfig:
     embedded tiny model from the fields below and save it into the run directory."""
     family: str = "qwen3"
     """Architecture family written to config.json on export: llama | qwen2 | qwen3 |
-    mistral | qwen3_moe | mixtral | deepseek_v3. Overwritten by the importer."""
+    mistral | qwen3_moe | mixtral | dots1. deepseek_v3 is accepted as an alias of dots1
+    (DeepSeek-V3 routing on grouped-query attention; multi-head latent attention is not
+    implemented). Overwritten by the importer."""
 
     # --- shape ---
     vocab_size: int = 0
