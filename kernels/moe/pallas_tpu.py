@@ -16,8 +16,9 @@ dimension of the transposed lhs block), tk and tn multiples of 128 dividing the 
 or the full dimension; `_tiles` rounds or falls back to full dimensions accordingly.
 Interpret mode keeps small tiles as given so that tests can cover many tiles cheaply.
 `interpret=True` runs the same kernels on CPU under `pltpu.InterpretParams` with NaN-filled
-uninitialised memory and race detection over two simulated cores (the "parallel" grid
-axes are split between them, as on a megacore chip), which is how the tests check them.
+uninitialised memory and race detection, which is how the tests check them; a race test
+passes InterpretParams with two simulated cores, between which the "parallel" grid axes
+are split as on a megacore chip.
 """
 
 from __future__ import annotations
@@ -44,10 +45,15 @@ def _fit(block: int, dim: int, strict: bool) -> int:
     return block if block < dim and dim % block == 0 and lanes_ok else dim
 
 
-def _interpret_params(interpret: bool):
+def _interpret_params(interpret):
+    """False: compile for the chip. True: NaN-filled uninitialised memory, race detection.
+    An `InterpretParams` passes through (e.g. num_cores_or_threads=2 to split the
+    "parallel" grid axes over two simulated cores, as on a megacore chip)."""
+    if isinstance(interpret, pltpu.InterpretParams):
+        return interpret
     if not interpret:
         return False
-    return pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan", num_cores_or_threads=2)
+    return pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
 
 
 def _tiles(m, k, n, dtype, tiling, *, strict, tm_is_lane_dim=False):
@@ -90,7 +96,7 @@ def gmm(lhs_MxK, rhs_GxKxN, group_sizes_G, *, transpose_rhs=False, out_dtype=Non
     G = rhs_GxKxN.shape[0]
     N = rhs_GxKxN.shape[1] if transpose_rhs else rhs_GxKxN.shape[2]
     out_dtype = out_dtype or lhs_MxK.dtype
-    tm, tk, tn = _tiles(M, K, N, lhs_MxK.dtype, tiling, strict=not interpret)
+    tm, tk, tn = _tiles(M, K, N, lhs_MxK.dtype, tiling, strict=interpret is False)
     m_pad = round_up(M, tm)
     lhs = jnp.pad(lhs_MxK, ((0, m_pad - M), (0, 0)))
     meta = make_group_metadata(group_sizes_G, m_pad, tm)
@@ -148,7 +154,7 @@ def tgmm(lhs_MxK, dout_MxN, group_sizes_G, *, out_dtype=None, tiling=None, inter
     N = dout_MxN.shape[1]
     G = group_sizes_G.shape[0]
     out_dtype = out_dtype or lhs_MxK.dtype
-    tm, tk, tn = _tiles(M, K, N, lhs_MxK.dtype, tiling, strict=not interpret, tm_is_lane_dim=True)
+    tm, tk, tn = _tiles(M, K, N, lhs_MxK.dtype, tiling, strict=interpret is False, tm_is_lane_dim=True)
     m_pad = round_up(M, tm)
     # megablox takes lhs transposed ([K, M]) so that the MXU sees a plain (tk, tm) x (tm, tn) matmul.
     lhs_t = jnp.pad(lhs_MxK, ((0, m_pad - M), (0, 0))).T

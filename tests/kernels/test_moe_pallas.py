@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from .moe_gmm_checks import CASES, GROUP_SIZES, check_gmm
+from .moe_gmm_checks import CASES, GROUP_SIZES, _operands, check_gmm
 
 from ptrain.kernels import moe
 from ptrain.kernels.moe import pallas_gpu, pallas_tpu, reference
@@ -92,8 +92,19 @@ def test_moe_ffn_with_pallas_kernels(impl):
 
 
 def test_tpu_kernels_have_no_races(capfd):
-    # Three n tiles on the "parallel" grid axis, split over two simulated cores
-    # (InterpretParams(num_cores_or_threads=2, detect_races=True)); the detector prints
-    # "RACE DETECTED" for any unsynchronised read/write pair.
-    check_gmm("pallas_tpu_interpret", jnp.float32, CASES[1], (8, 16, 8))
+    # Three n tiles (and three k tiles for tgmm) on the "parallel" grid axes, split over two
+    # simulated cores; the detector prints "RACE DETECTED" for any unordered read/write pair.
+    from jax.experimental.pallas import tpu as pltpu
+
+    params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan", num_cores_or_threads=2)
+    lhs, rhs, cot = _operands(jnp.float32)
+    lhs = lhs[:, :24]
+    rhs = rhs[:, :24]
+    gs = jnp.asarray(CASES[1], jnp.int32)
+    out = pallas_tpu.gmm(lhs, rhs, gs, tiling=(8, 8, 8), interpret=params)
+    drhs = pallas_tpu.tgmm(lhs, cot, gs, tiling=(8, 8, 8), interpret=params)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(reference.grouped_matmul(lhs, rhs, gs)), rtol=1e-5,
+                               atol=1e-5)
+    np.testing.assert_allclose(np.asarray(drhs), np.asarray(reference.transposed_grouped_matmul(lhs, cot, gs)),
+                               rtol=1e-5, atol=1e-5)
     assert "RACE DETECTED" not in capfd.readouterr().out
