@@ -112,8 +112,11 @@ def _decode_mask(pad_B: jax.Array, q_slots_T: jax.Array, S: int, window: Optiona
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens"))
 def _generate_jit(graphdef, state, prompt_BxP, pad_B, rng, temperature, top_k, top_p, stop_ids, pad_id,
                   *, max_new_tokens: int):
-    model = nnx.merge(graphdef, state)
-    cfg = model.cfg
+    cfg = nnx.merge(graphdef, state).cfg
+
+    def decode_step(st, *args):
+        return nnx.merge(graphdef, st).decode_step(*args)
+
     B, P = prompt_BxP.shape
     S = P + max_new_tokens
     window = cfg.sliding_window
@@ -121,7 +124,7 @@ def _generate_jit(graphdef, state, prompt_BxP, pad_B, rng, temperature, top_k, t
     slots = jnp.arange(P)
     positions = jnp.maximum(slots[None, :] - pad_B[:, None], 0).astype(jnp.int32)
     mask = _decode_mask(pad_B, slots, S, window)
-    logits, caches = model.decode_step(prompt_BxP, positions, mask, caches, jnp.zeros((), jnp.int32))
+    logits, caches = decode_step(state, prompt_BxP, positions, mask, caches, jnp.zeros((), jnp.int32))
     last = logits[:, -1, :]
 
     tokens = jnp.full((B, max_new_tokens), pad_id, jnp.int32)
@@ -130,12 +133,15 @@ def _generate_jit(graphdef, state, prompt_BxP, pad_B, rng, temperature, top_k, t
     lengths = jnp.zeros((B,), jnp.int32)
     stopped = jnp.zeros((B,), bool)
 
+    # The model state rides in the loop carry (unchanged) rather than being closed over:
+    # nnx transforms inside the model (scan over stacked layers) refuse variables whose
+    # values come from an outer trace level.
     def cond(carry):
         t, _, _, _, done, *_ = carry
         return (t < max_new_tokens) & ~jnp.all(done)
 
     def body(carry):
-        t, last, caches, rng, done, tokens, logps, lengths, stopped = carry
+        t, last, caches, rng, done, tokens, logps, lengths, stopped, st = carry
         rng, sub = jax.random.split(rng)
         tok, lp = sample_tokens(last, sub, temperature, top_k, top_p)
         tok = jnp.where(done, pad_id, tok)
@@ -149,11 +155,11 @@ def _generate_jit(graphdef, state, prompt_BxP, pad_B, rng, temperature, top_k, t
         slot = P + t
         pos = (slot - pad_B)[:, None].astype(jnp.int32)
         m = _decode_mask(pad_B, slot[None], S, window)
-        logits, caches = model.decode_step(tok[:, None], pos, m, caches, slot)
-        return t + 1, logits[:, 0, :], caches, rng, done, tokens, logps, lengths, stopped
+        logits, caches = decode_step(st, tok[:, None], pos, m, caches, slot)
+        return t + 1, logits[:, 0, :], caches, rng, done, tokens, logps, lengths, stopped, st
 
-    carry = (jnp.zeros((), jnp.int32), last, caches, rng, done, tokens, logps, lengths, stopped)
-    _, _, _, _, _, tokens, logps, lengths, stopped = jax.lax.while_loop(cond, body, carry)
+    carry = (jnp.zeros((), jnp.int32), last, caches, rng, done, tokens, logps, lengths, stopped, state)
+    _, _, _, _, _, tokens, logps, lengths, stopped, _ = jax.lax.while_loop(cond, body, carry)
     return tokens, logps, lengths, stopped
 
 

@@ -114,3 +114,15 @@ def test_bad_requests_are_rejected(model):
         generate(model, [[1]], max_new_tokens=100)
     with pytest.raises(ValueError, match="top_p"):
         generate(model, [[1]], max_new_tokens=2, top_p=0.0)
+
+
+def test_scanned_layers_generate_the_same_tokens(model, tmp_path):
+    """The stacked-cache path (scan_layers) decodes exactly like the per-layer list."""
+    from ptrain.models import load_hf, save_hf
+
+    save_hf(model, str(tmp_path))
+    scanned = load_hf(str(tmp_path), scan_layers=True)
+    a = generate(model, PROMPTS, max_new_tokens=6)
+    b = generate(scanned, PROMPTS, max_new_tokens=6)
+    assert a.tokens_BxN.tolist() == b.tokens_BxN.tolist()
+    np.testing.assert_allclose(a.logprobs_BxN, b.logprobs_BxN, atol=1e-5)
