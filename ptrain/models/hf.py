@@ -460,7 +460,9 @@ def save_hf(
     write_sharded(tensors(), path, max_shard_bytes=max_shard_bytes)
     if tokenizer is not None:
         if hasattr(tokenizer, "save_pretrained"):
-            tokenizer.save_pretrained(path)
+            from ptrain.data.tokenizer import save_tokenizer  # files transformers 4.x (SGLang) loads too
+
+            save_tokenizer(tokenizer, path)
         elif hasattr(tokenizer, "to_str"):
             with open(os.path.join(path, "tokenizer.json"), "w") as f:
                 f.write(tokenizer.to_str())
