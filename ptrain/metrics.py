@@ -11,7 +11,7 @@ import json
 import math
 import os
 import time
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 

@@ -12,7 +12,6 @@ unfinished one from its newest readable checkpoint.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from typing import Callable

@@ -7,7 +7,7 @@ Hugging Face importer maps each family's config.json onto them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 

@@ -15,7 +15,6 @@ from typing import Any, Callable, Iterator, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from ptrain.checkpoint import StageCheckpointer, abstract_like
@@ -23,7 +22,7 @@ from ptrain.config import RunConfig
 from ptrain.metrics import MetricsLogger, to_host
 from ptrain.parallel import batch_sharding, make_mesh, replicated, shardings_for
 from ptrain.parallel.sharding import DEFAULT_RULES, shardings_following_params
-from ptrain.train.state import ModelDef, TrainState, init_train_state, logical_axes, split_model
+from ptrain.train.state import ModelDef, TrainState, logical_axes, split_model
 
 
 class TrainingDiverged(RuntimeError):
@@ -241,3 +240,61 @@ def stage_mesh(run: RunConfig):
 
     check_mesh_fits(run, jax.device_count())
     return make_mesh(run.mesh)
+
+
+def train_evaluate_export(
+    run: RunConfig,
+    *,
+    stage_dir: str,
+    kind: str,
+    placed: Placed,
+    state: TrainState,
+    step_fn: Callable,
+    batches,
+    report,
+    evaluators: list[Callable[[TrainState], dict]],
+    checkpointer: StageCheckpointer,
+    start_step: int,
+    finalize: Callable[[dict], dict],
+    tokens_in: Callable[[dict], int],
+    tokenizer,
+    t_start: float,
+) -> dict:
+    """The part every stage driver ends with: log the data report and the step-0
+    evaluation, run the loop, export the final weights, write DONE.json.
+
+    `batches` is the stage's batch iterator (with get_state), `report` its bad-row report.
+    Returns the stage summary (final train and eval metrics, export path, wall time).
+    """
+    from ptrain.checkpoint import mark_done
+
+    name = run.stages[0].name
+
+    def evaluate(state: TrainState, step: int) -> dict:
+        out: dict = {}
+        for ev in evaluators:
+            out.update(ev(state))
+        return out
+
+    logger = MetricsLogger(run.logging, stage_dir, total_steps=run.train.steps, start_step=start_step,
+                           name=f"{kind} {name}")
+    try:
+        if start_step == 0:
+            logger.log(0, report.as_metrics(prefix=""), prefix="data")
+            if evaluators:
+                logger.log(0, evaluate(state, 0), prefix="eval")
+        state, last = train_loop(
+            run, state=state, step_fn=step_fn, batches=batches, data_state=batches.get_state, mesh=placed.mesh,
+            checkpointer=checkpointer, logger=logger, start_step=start_step, finalize=finalize,
+            tokens_in=tokens_in, evaluate=evaluate if evaluators else None,
+            meta={"stage": name, "kind": kind, "config": resolved(run)},
+        )
+    finally:
+        checkpointer.close()
+        logger.close()
+    export = export_stage(placed, state, stage_dir, tokenizer)
+    summary = {k: v for k, v in last.items() if isinstance(v, float)}
+    summary.update(stage=name, steps=run.train.steps, export=export, bad_rows=report.bad,
+                   wall_time_s=round(time.time() - t_start, 1))
+    mark_done(stage_dir, summary)
+    return summary

@@ -15,23 +15,20 @@ import time
 import jax
 import numpy as np
 
-from ptrain.checkpoint import StageCheckpointer, mark_done
+from ptrain.checkpoint import StageCheckpointer
 from ptrain.config import RunConfig
 from ptrain.data.pipeline import make_eval_prompts, write_generated
 from ptrain.data.preference import make_preference_iterator, make_preference_pass
-from ptrain.metrics import MetricsLogger
 from ptrain.parallel import batch_sharding
 from ptrain.stages.common import (
-    resolved,
     ensure_base_model,
-    export_stage,
     jit_step,
     load_model,
     place_state,
     restore_or_start,
     stage_mesh,
     tokenizer_for,
-    train_loop,
+    train_evaluate_export,
 )
 from ptrain.stages.evaluation import exact_match_evaluator
 from ptrain.train.objectives import dpo_denominator, finalize_metrics, make_dpo_objective, pair_logprobs
@@ -143,39 +140,16 @@ def run_dpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict
         if any(p.task for p in prompts):
             evaluators.append(exact_match_evaluator(run, prompts, tokenizer, placed))
 
-    step_fn = jit_step(make_train_step(make_dpo_objective(placed.model_def, algo, vocab_chunk=t.vocab_chunk), dpo_denominator, tx, lr,
-                                       grad_accum=t.grad_accum), placed)
+    objective = make_dpo_objective(placed.model_def, algo, vocab_chunk=t.vocab_chunk)
+    step_fn = jit_step(make_train_step(objective, dpo_denominator, tx, lr, grad_accum=t.grad_accum), placed)
     ckpt = StageCheckpointer(os.path.join(stage_dir, "checkpoints"), run.checkpoint)
     start, state, data_state = restore_or_start(ckpt, placed, run.checkpoint.resume)
     if data_state is not None:
         batches.set_state(data_state)
 
-    def evaluate(state, step):
-        out = {}
-        for ev in evaluators:
-            out.update(ev(state))
-        return out
-
-    logger = MetricsLogger(run.logging, stage_dir, total_steps=t.steps, start_step=start,
-                           name=f"{algo.kind} {run.stages[0].name}")
-    try:
-        if start == 0:
-            logger.log(0, train_iter.report.as_metrics(prefix=""), prefix="data")
-            if evaluators:
-                logger.log(0, evaluate(state, 0), prefix="eval")
-        state, last = train_loop(
-            run, state=state, step_fn=step_fn, batches=batches, data_state=batches.get_state, mesh=mesh,
-            checkpointer=ckpt, logger=logger, start_step=start,
-            finalize=lambda m: finalize_metrics(m, t.grad_accum),
-            tokens_in=lambda b: int(np.sum(b["chosen_segment_ids"] > 0) + np.sum(b["rejected_segment_ids"] > 0)),
-            evaluate=evaluate if evaluators else None,
-            meta={"stage": run.stages[0].name, "kind": "dpo", "config": resolved(run)},
-        )
-    finally:
-        ckpt.close()
-        logger.close()
-    export = export_stage(placed, state, stage_dir, tokenizer)
-    summary = {k: v for k, v in last.items() if isinstance(v, float)}
-    summary.update(stage=run.stages[0].name, steps=t.steps, export=export, bad_rows=train_iter.report.bad, wall_time_s=round(time.time() - t_start, 1))
-    mark_done(stage_dir, summary)
-    return summary
+    return train_evaluate_export(
+        run, stage_dir=stage_dir, kind=algo.kind, placed=placed, state=state, step_fn=step_fn, batches=batches,
+        report=train_iter.report, evaluators=evaluators, checkpointer=ckpt, start_step=start,
+        finalize=lambda m: finalize_metrics(m, t.grad_accum),
+        tokens_in=lambda b: int(np.sum(b["chosen_segment_ids"] > 0) + np.sum(b["rejected_segment_ids"] > 0)),
+        tokenizer=tokenizer, t_start=t_start)

@@ -125,6 +125,7 @@ def test_sft_then_dpo_pipeline_hands_the_export_on(tmp_path):
     tiny = [a for a in TINY if not a.startswith("recipe=")]
     cli("recipe=sft_dpo_arithmetic", *tiny, "train.steps=3", "train.eval_every=0", "checkpoint.every_steps=0",
         "algo.dpo.precompute_reference=true",
+        "stages.0.train.steps=3", "stages.0.train.eval_every=0",
         "stages.1.data.generated.n_train=64", "++stages.1.data.generated.n_eval=16",
         "stages.1.train.steps=2", "stages.1.train.global_batch_size=4", "stages.1.train.eval_every=2",
         f"run_dir={tmp_path}")
