@@ -94,6 +94,9 @@ def stage_config(run: RunConfig, stage: StageConfig) -> RunConfig:
         raise ConfigError(f"in stage '{stage.name}': " + _explain_omegaconf_error(e, prefix=f"stages.{stage.name}.")) from None
     out.stages = [stage]
     _validate_values(out, where=f"stage '{stage.name}': ")
+    if stage.kind == "dpo" and out.data.format != "preference":
+        raise ConfigError(f"stage '{stage.name}': config key 'data.format': a dpo stage reads preference pairs, "
+                          f"got format '{out.data.format}'; set data: {{format: preference}} in the stage")
     return out
 
 

@@ -50,6 +50,7 @@ def test_stage_overrides_merge_over_top_level_nodes():
     (["stages=[{name: a, kind: ppo}]"], "stages[0].kind"),
     (["stages=[{name: a, kind: sft}, {name: a, kind: sft}]"], "stages"),
     (["stages=[{name: a, kind: sft, init: /no/such/folder}]"], "stages[0].init"),
+    (["stages=[{name: a, kind: dpo}]"], "data.format"),
     (["model.hf_path=/no/such/model"], "model.hf_path"),
     (["checkpoint.keep=0"], "checkpoint.keep"),
 ])
