@@ -19,6 +19,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from ptrain.config import ConfigError, register_configs, to_run_config
+from ptrain.runtime import tune_xla_cpu
 
 log = logging.getLogger("ptrain")
 
@@ -50,6 +51,7 @@ def _hydra_main(cfg: DictConfig) -> Any:
 
 
 def main() -> None:
+    tune_xla_cpu()  # before any JAX backend starts
     _hydra_main()
 
 

@@ -20,6 +20,7 @@ from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from ptrain.runtime import tune_xla_cpu
 from ptrain.config import DPOAlgoConfig, OptimConfig  # noqa: E402
 from ptrain.models import Decoder  # noqa: E402
 from ptrain.train.objectives import dpo_denominator, make_dpo_objective  # noqa: E402
@@ -68,7 +69,8 @@ def main(argv=None):
     ap.add_argument("--vocab-chunk", type=int, default=0, help="train.vocab_chunk (0: full logits)")
     ap.set_defaults(steps=5)
     args = ap.parse_args(argv)
-    print(json.dumps(bench(args), indent=2))
+    tune_xla_cpu()  # the CLI's XLA:CPU settings (PTRAIN_XLA_CPU_TUNING=0 turns them off)
+    print(json.dumps(dict(bench(args), xla_flags=os.environ.get("XLA_FLAGS", "")), indent=2))
 
 
 if __name__ == "__main__":
