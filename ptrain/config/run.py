@@ -174,6 +174,14 @@ def _validate_values(run: RunConfig, where: str = "") -> None:
     c(a.dpo.kind in ("sigmoid", "ipo", "hinge", "robust", "dpo_norm", "simpo", "orpo", "rpo"), "algo.dpo.kind",
       f"unknown preference loss '{a.dpo.kind}'; pass sigmoid, ipo, hinge, robust, dpo_norm, simpo, orpo or rpo")
     c(a.dpo.beta > 0, "algo.dpo.beta", f"must be > 0, got {a.dpo.beta}")
+    c(a.dpo.policy_pairs >= 0, "algo.dpo.policy_pairs", f"must be >= 0 (0: the data's own pairs), got {a.dpo.policy_pairs}")
+    c(a.dpo.policy_samples >= 1, "algo.dpo.policy_samples", f"must be >= 1, got {a.dpo.policy_samples}")
+    c(a.dpo.policy_temperature >= 0, "algo.dpo.policy_temperature", f"must be >= 0, got {a.dpo.policy_temperature}")
+    c(a.dpo.policy_temperature > 0 or a.dpo.policy_samples == 1, "algo.dpo.policy_samples",
+      f"greedy decoding (policy_temperature=0) gives one completion per prompt; set policy_samples=1, "
+      f"got {a.dpo.policy_samples}")
+    c(a.dpo.policy_max_new_tokens >= 1, "algo.dpo.policy_max_new_tokens",
+      f"must be >= 1, got {a.dpo.policy_max_new_tokens}")
     try:
         validate_data_config(run.data)
     except (ValueError, FileNotFoundError) as e:

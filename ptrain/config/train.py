@@ -141,6 +141,28 @@ class DPOAlgoConfig:
     precompute_reference: bool = False
     """Compute reference log-probs in one pass over the data before training (saves the
     reference params' memory) instead of inside every step."""
+    policy_pairs: int = 0
+    """0: train on the data's own pairs. N > 0: before training, sample `policy_samples`
+    completions from the stage's starting policy for each of the first N training prompts,
+    grade them with the task's verifier, and train on (correct, incorrect) pairs of the
+    policy's own samples (on-policy pairs, as in iterative RPO: Pang et al. 2024, arXiv
+    2404.19733). Rows need task metadata (the embedded task has it). Must be >= 0."""
+    policy_samples: int = 4
+    """Completions sampled per prompt when policy_pairs > 0. Must be >= 1 (1 with greedy
+    decoding: more would repeat it)."""
+    policy_temperature: float = 1.0
+    """Sampling temperature of those completions; 0 decodes greedily, so the rejected side
+    is exactly the answer the policy gives at evaluation (SPIN's pairing when it is wrong:
+    the data's answer against the policy's own, Chen et al. 2024, arXiv 2401.01335).
+    Must be >= 0."""
+    policy_step_level: bool = False
+    """Cut each on-policy rejected completion after its first line that differs from the
+    chosen one (Step-DPO: Lai et al. 2024, arXiv 2406.18629). The shared lines cancel in
+    the margin, so the pair contrasts the first wrong step alone instead of pushing down
+    every token the wrong completion goes on to write."""
+    policy_max_new_tokens: int = 128
+    """Length cap of those completions, in tokens; a completion cut by it counts as
+    incorrect. Must be >= 1."""
 
 
 @dataclass

@@ -31,6 +31,7 @@ from ptrain.stages.common import (
     train_evaluate_export,
 )
 from ptrain.stages.evaluation import exact_match_evaluator
+from ptrain.stages.policy_pairs import policy_pairs_data
 from ptrain.train.objectives import dpo_denominator, finalize_metrics, make_dpo_objective, pair_logprobs
 from ptrain.train.optim import make_optimizer
 from ptrain.train.step import make_train_step
@@ -113,16 +114,18 @@ def run_dpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict
     tokenizer = tokenizer_for(run, init_path)
     data_cfg = write_generated(run.data, os.path.join(run.run_dir, "data"))
     t, algo, mesh = run.train, run.algo.dpo, stage_mesh(run)
-    train_iter = make_preference_iterator(data_cfg, tokenizer, batch_size=t.global_batch_size, seq_len=t.seq_len,
-                                          seed=data_cfg.shuffle_seed)
-    print(f"ptrain: {train_iter.n_examples} preference pairs; {train_iter.report.summary()}", flush=True)
-
     model = load_model(run, init_path or ensure_base_model(run, tokenizer), mesh)
     tx, lr = make_optimizer(run.optim, t.steps)
     needs_ref = algo.kind not in REFERENCE_FREE
     in_step_ref = needs_ref and not algo.precompute_reference
     placed = place_state(run, model, tx, mesh, with_reference=in_step_ref)
     init_params, init_mstate = placed.state.params, placed.state.model_state
+    if algo.policy_pairs:
+        data_cfg = policy_pairs_data(run, stage_dir, placed, init_params, init_mstate, data_cfg, tokenizer)
+
+    train_iter = make_preference_iterator(data_cfg, tokenizer, batch_size=t.global_batch_size, seq_len=t.seq_len,
+                                          seed=data_cfg.shuffle_seed)
+    print(f"ptrain: {train_iter.n_examples} preference pairs; {train_iter.report.summary()}", flush=True)
 
     batches = train_iter
     if needs_ref and algo.precompute_reference:

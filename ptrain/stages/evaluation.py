@@ -41,6 +41,12 @@ def heldout_loss_evaluator(run: RunConfig, data_cfg, tokenizer, placed) -> Calla
     return evaluate
 
 
+def stop_token_ids(tokenizer) -> list[int]:
+    """Ids that end an assistant turn: the chat template's <|im_end|>, else end-of-sequence."""
+    stop = [tokenizer.convert_tokens_to_ids(s) for s in ("<|im_end|>",) if s in tokenizer.get_vocab()]
+    return stop or [tokenizer.eos_token_id]
+
+
 def exact_match_evaluator(run: RunConfig, prompts: list[EvalPrompt], tokenizer, placed,
                           batch_size: int = 64) -> Callable[[TrainState], dict]:
     """Fraction of held-out prompts whose greedy answer the task's verifier accepts."""
@@ -48,8 +54,7 @@ def exact_match_evaluator(run: RunConfig, prompts: list[EvalPrompt], tokenizer, 
 
     t = run.train
     prompts = [p for p in prompts if p.task]
-    stop = [tokenizer.convert_tokens_to_ids(s) for s in ("<|im_end|>",) if s in tokenizer.get_vocab()]
-    stop = stop or [tokenizer.eos_token_id]
+    stop = stop_token_ids(tokenizer)
     bucket = bucket_length(max(len(p.prompt_ids) for p in prompts))
     pad = tokenizer.pad_token_id or 0
 

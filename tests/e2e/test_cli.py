@@ -143,3 +143,21 @@ def test_sft_then_dpo_pipeline_hands_the_export_on(tmp_path):
     assert "from " + str(tmp_path / "stages" / "dpo" / "export") in out.stdout
     assert (tmp_path / "from_hf" / "stages" / "sft" / "DONE.json").is_file()
     assert not (tmp_path / "from_hf" / "base_model").exists()
+
+
+@pytest.mark.slow
+def test_dpo_on_policy_pairs_samples_grades_and_trains(tmp_path):
+    tiny = [a for a in TINY if not a.startswith("recipe=")]
+    cli("recipe=sft_dpo_arithmetic", *tiny, "train.eval_every=0", "checkpoint.every_steps=0",
+        "stages.0.train.steps=2", "stages.0.train.eval_every=0",
+        "algo.dpo.policy_pairs=8", "algo.dpo.policy_samples=2", "algo.dpo.policy_max_new_tokens=16",
+        "stages.1.data.generated.n_train=64", "++stages.1.data.generated.n_eval=16",
+        "stages.1.train.steps=2", "stages.1.train.global_batch_size=4", "stages.1.train.eval_every=0",
+        f"run_dir={tmp_path}")
+    stage = tmp_path / "stages" / "dpo"
+    meta = json.loads((stage / "policy_pairs.json").read_text())
+    assert meta["settings"]["prompts"] == 8 and meta["counts"]["prompts"] == 8
+    rows = [json.loads(line) for line in (stage / "policy_pairs.jsonl").read_text().splitlines()]
+    assert len(rows) == meta["counts"]["pairs"] >= 1
+    assert all(r["chosen"][0]["content"] != r["rejected"][0]["content"] and "answer" in r["task"] for r in rows)
+    assert json.loads((stage / "DONE.json").read_text())["steps"] == 2

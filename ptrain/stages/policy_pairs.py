@@ -1,0 +1,153 @@
+"""On-policy preference pairs: the stage's starting policy samples, the task's verifier grades.
+
+For each of the first `algo.dpo.policy_pairs` training prompts the policy samples
+`policy_samples` completions. Correct and incorrect completions of one prompt are zipped
+into (chosen, rejected) pairs; a prompt the policy never gets right pairs the data's own
+chosen answer with an incorrect sample; a prompt it always gets right gives no pair. The
+rejected side thus shows the mistakes this policy makes, not scripted ones, which is
+what lets preference optimisation fix them (iterative RPO, Pang et al. 2024, arXiv
+2404.19733, builds its pairs this way).
+
+With `policy_step_level` the rejected side stops after its first wrong line (Step-DPO).
+
+The pairs are written once, as preference JSONL in chat form, into the stage folder
+(`policy_pairs.jsonl`, with the settings and counts in `policy_pairs.json`): a resumed
+stage reads the same pairs, so the saved data-iterator position stays valid, and users
+can read what the policy got wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from ptrain.config import RunConfig
+from ptrain.data.pipeline import make_eval_prompts, open_split
+from ptrain.data.preference import preference_conversations
+from ptrain.data.tasks import check_answer, write_jsonl
+from ptrain.stages.evaluation import stop_token_ids
+
+PAIRS_FILE = "policy_pairs.jsonl"
+META_FILE = "policy_pairs.json"
+
+
+def _settings(run: RunConfig) -> dict[str, Any]:
+    d = run.algo.dpo
+    return {"prompts": d.policy_pairs, "samples": d.policy_samples, "temperature": d.policy_temperature,
+            "max_new_tokens": d.policy_max_new_tokens, "step_level": d.policy_step_level, "seed": run.train.seed}
+
+
+def first_wrong_step(chosen: str, rejected: str) -> str:
+    """`rejected` up to and including its first line that differs from `chosen`'s line at
+    the same place (all of it when it is a prefix-extension of chosen)."""
+    got, want = rejected.split("\n"), chosen.split("\n")
+    for i, line in enumerate(got):
+        if i >= len(want) or line != want[i]:
+            return "\n".join(got[: i + 1])
+    return rejected
+
+
+def sample_completions(placed, params, model_state, prompts, tokenizer, *, samples: int, temperature: float,
+                       max_new_tokens: int, seed: int, batch_size: int = 64) -> list[list[tuple[str, bool]]]:
+    """`samples` (decoded completion, ended by a stop token) per prompt. One compiled
+    program: every call is padded to `batch_size` rows and one prompt bucket."""
+    from ptrain.models.generate import bucket_length, generate
+
+    model = placed.model_def.bind(params, model_state)
+    rows = [(i, p.prompt_ids.tolist()) for i, p in enumerate(prompts) for _ in range(samples)]
+    bucket = bucket_length(max(len(p.prompt_ids) for p in prompts))
+    stop, pad = stop_token_ids(tokenizer), tokenizer.pad_token_id or 0
+    out: list[list[tuple[str, bool]]] = [[] for _ in prompts]
+    for b, start in enumerate(range(0, len(rows), batch_size)):
+        chunk = rows[start:start + batch_size]
+        ids = [r[1] for r in chunk] + [chunk[0][1]] * (batch_size - len(chunk))
+        gen = generate(model, ids, max_new_tokens=max_new_tokens, temperature=temperature, stop_tokens=stop,
+                       pad_id=pad, prompt_bucket=bucket, rng=jax.random.fold_in(jax.random.key(seed), b))
+        for r, (i, _) in enumerate(chunk):
+            text = tokenizer.decode(gen.tokens_BxN[r, : gen.lengths_B[r]].tolist(), skip_special_tokens=True)
+            out[i].append((text, gen.finish_reasons[r] == "stop"))
+    return out
+
+
+def build_pairs(rows: list[dict], tasks: list[dict], completions: list[list[tuple[str, bool]]], *,
+                step_level: bool = False) -> tuple[list[dict], dict[str, float]]:
+    """Preference rows from graded samples, and counts of what happened per prompt.
+
+    A sample is correct when it ended with a stop token and the verifier accepts it; one
+    cut by the length cap is incorrect. Empty samples are no answer to contrast: dropped.
+    """
+    pairs, n_correct, n_samples = [], 0, 0
+    counts = {"prompts": len(rows), "pairs_from_samples": 0, "pairs_with_data_chosen": 0, "prompts_all_correct": 0}
+    for row, task, samples in zip(rows, tasks, completions):
+        prompt, data_chosen, _ = preference_conversations(row)
+        # what the verifier needs; the data's notes on its own rejected side ("fault") do not apply
+        verifier_task = {k: v for k, v in task.items() if k != "fault"}
+        graded = [(text, finished and check_answer(task, text)) for text, finished in samples]
+        good = [text for text, ok in graded if ok]
+        bad = [text for text, ok in graded if not ok and text.strip()]
+        n_correct += len(good)
+        n_samples += len(samples)
+        if not bad:
+            counts["prompts_all_correct"] += bool(good)
+            continue
+        if good:
+            chosen_texts = good
+            counts["pairs_from_samples"] += min(len(good), len(bad))
+        else:
+            chosen_texts = [data_chosen[-1]["content"]]
+            counts["pairs_with_data_chosen"] += 1
+        for c, r in zip(chosen_texts, bad):
+            if step_level:
+                r = first_wrong_step(c, r)
+            pairs.append({"prompt": prompt, "chosen": [{"role": "assistant", "content": c}],
+                          "rejected": [{"role": "assistant", "content": r}], "task": verifier_task})
+    counts["pairs"] = len(pairs)
+    counts["sample_accuracy"] = n_correct / max(n_samples, 1)
+    return pairs, counts
+
+
+def policy_pairs_data(run: RunConfig, stage_dir: str, placed, params, model_state, data_cfg, tokenizer):
+    """data_cfg pointing its train split at on-policy pairs (sampled now, or read back on resume)."""
+    settings = _settings(run)
+    path, meta_path = os.path.join(stage_dir, PAIRS_FILE), os.path.join(stage_dir, META_FILE)
+    if os.path.isfile(path) and os.path.isfile(meta_path):
+        with open(meta_path) as f:
+            meta = json.load(f)
+        if meta.get("settings") != settings:
+            raise ValueError(f"{meta_path} holds pairs sampled with {meta.get('settings')}, but this run asks for "
+                             f"{settings}; use a new run_dir, or delete {path} and {meta_path} to sample again")
+        print(f"ptrain: reusing {meta['counts']['pairs']} on-policy pairs from {path}", flush=True)
+        return dataclasses.replace(data_cfg, source="jsonl", train_path=path)
+
+    t0 = time.time()
+    prompts = [p for p in make_eval_prompts(data_cfg, tokenizer, split="train", limit=settings["prompts"]) if p.task]
+    if not prompts:
+        raise ValueError("algo.dpo.policy_pairs > 0 needs training rows with task metadata (a verifier to grade "
+                         "the samples); these rows have none: set algo.dpo.policy_pairs=0 to use their own pairs")
+    source = open_split(data_cfg, "train")
+    completions = sample_completions(placed, params, model_state, prompts, tokenizer,
+                                     samples=settings["samples"], temperature=settings["temperature"],
+                                     max_new_tokens=settings["max_new_tokens"], seed=settings["seed"])
+    pairs, counts = build_pairs([source[p.row] for p in prompts], [p.task for p in prompts], completions,
+                                step_level=settings["step_level"])
+    if not pairs:
+        raise ValueError(f"the starting policy answered all {len(prompts)} sampled prompts correctly (or never "
+                         "produced a non-empty wrong answer), so there is nothing to prefer: raise "
+                         "algo.dpo.policy_temperature or algo.dpo.policy_pairs, or set it to 0")
+    write_jsonl(pairs, path)
+    counts["seconds"] = round(time.time() - t0, 1)
+    tmp = f"{meta_path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({"settings": settings, "counts": counts}, f, indent=2)
+    os.replace(tmp, meta_path)
+    print(f"ptrain: sampled {settings['samples']} completions for each of {len(prompts)} prompts in "
+          f"{counts['seconds']} s: sample accuracy {counts['sample_accuracy']:.3f}, {counts['pairs']} pairs "
+          f"({counts['pairs_from_samples']} from samples, {counts['pairs_with_data_chosen']} with the data's chosen "
+          f"answer; {counts['prompts_all_correct']} prompts always right) -> {path}", flush=True)
+    return dataclasses.replace(data_cfg, source="jsonl", train_path=path)
