@@ -40,6 +40,10 @@ def _run(cfg: DictConfig) -> dict:
             run.run_dir = HydraConfig.get().runtime.output_dir  # one folder per sweep job
     except ValueError:  # not under Hydra (tests call _run directly)
         pass
+    # Before any JAX backend starts. Dense models only: the flag slows the MoE layer's
+    # grouped matmuls (tools/bench_moe.py, docs/performance.md).
+    if not run.model.is_moe:
+        tune_xla_cpu()
     from ptrain.pipeline import run_pipeline  # jax imports only after the config is known good
 
     return run_pipeline(run)
@@ -51,7 +55,6 @@ def _hydra_main(cfg: DictConfig) -> Any:
 
 
 def main() -> None:
-    tune_xla_cpu()  # before any JAX backend starts
     _hydra_main()
 
 

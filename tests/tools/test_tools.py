@@ -42,3 +42,11 @@ def test_bench_dpo_runs_on_a_tiny_shape():
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads(out.stdout)
     assert res["step_s_median"] > 0 and res["loss"] == pytest.approx(0.6931, abs=1e-3)  # policy == reference
+
+
+def test_bench_train_torch_runs_on_a_tiny_shape():
+    out = subprocess.run([sys.executable, "tools/bench_train_torch.py", "--layers", "1", "--d-model", "64", "--heads", "2",
+                          "--kv-heads", "1", "--head-dim", "32", "--d-ff", "128", "--vocab", "128", "--batch", "2",
+                          "--seq", "32", "--steps", "2", "--warmup", "1"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout)["tokens_per_s"] > 0
