@@ -124,7 +124,7 @@ def test_unknown_key_fails_naming_it(tmp_path):
 def test_sft_then_dpo_pipeline_hands_the_export_on(tmp_path):
     tiny = [a for a in TINY if not a.startswith("recipe=")]
     cli("recipe=sft_dpo_arithmetic", *tiny, "train.steps=3", "train.eval_every=0", "checkpoint.every_steps=0",
-        "algo.dpo.precompute_reference=true",
+        "algo.dpo.precompute_reference=true", "algo.dpo.policy_pairs=0",  # the data's own (scripted) pairs
         "stages.0.train.steps=3", "stages.0.train.eval_every=0",
         "stages.1.data.generated.n_train=64", "++stages.1.data.generated.n_eval=16",
         "stages.1.train.steps=2", "stages.1.train.global_batch_size=4", "stages.1.train.eval_every=2",
@@ -150,7 +150,9 @@ def test_dpo_on_policy_pairs_samples_grades_and_trains(tmp_path):
     tiny = [a for a in TINY if not a.startswith("recipe=")]
     cli("recipe=sft_dpo_arithmetic", *tiny, "train.eval_every=0", "checkpoint.every_steps=0",
         "stages.0.train.steps=2", "stages.0.train.eval_every=0",
-        "algo.dpo.policy_pairs=8", "algo.dpo.policy_samples=2", "algo.dpo.policy_max_new_tokens=16",
+        # sampled at temperature 1: a 2-step model's greedy answer is often empty (no pair)
+        "algo.dpo.policy_pairs=8", "algo.dpo.policy_samples=2", "algo.dpo.policy_temperature=1.0",
+        "algo.dpo.policy_step_level=false", "algo.dpo.policy_max_new_tokens=16",
         "stages.1.data.generated.n_train=64", "++stages.1.data.generated.n_eval=16",
         "stages.1.train.steps=2", "stages.1.train.global_batch_size=4", "stages.1.train.eval_every=0",
         f"run_dir={tmp_path}")
