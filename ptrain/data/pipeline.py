@@ -118,17 +118,23 @@ def _remember(key: tuple, value: tuple) -> tuple:
     return value
 
 
+def cached_split(cfg: DataConfig, tokenizer, *, seq_len: int, split: str, what: str, tokenize) -> tuple:
+    """tokenize(source, name) of one split, cached per process under `what` and everything
+    that changes the result (files and their mtimes, tokenizer, format, limits)."""
+    key = _cache_key(cfg, tokenizer, split, seq_len, what)
+    if key not in _CACHE:
+        source = open_split(cfg, split)
+        _remember(key, tokenize(source, getattr(source, "path", None) or getattr(source, "name", split)))
+    return _CACHE[key]
+
+
 def sft_examples(cfg: DataConfig, tokenizer, *, seq_len: int, split: str = "train"
                  ) -> tuple[TokenizedRows, BadRowReport]:
     """Validated, tokenised SFT examples of one split (cached per process) and their bad-row report."""
-    key = _cache_key(cfg, tokenizer, split, seq_len, "sft")
-    if key not in _CACHE:
-        source = open_split(cfg, split)
-        name = getattr(source, "path", None) or getattr(source, "name", split)
-        _remember(key, tokenize_sft_rows(source, tokenizer, fmt=cfg.format, seq_len=seq_len, truncate=cfg.truncate,
-                                         bad_rows=cfg.bad_rows, max_bad_fraction=cfg.max_bad_fraction,
-                                         report_rows=cfg.report_rows, name=name))
-    return _CACHE[key]
+    return cached_split(cfg, tokenizer, seq_len=seq_len, split=split, what="sft", tokenize=lambda source, name: (
+        tokenize_sft_rows(source, tokenizer, fmt=cfg.format, seq_len=seq_len, truncate=cfg.truncate,
+                          bad_rows=cfg.bad_rows, max_bad_fraction=cfg.max_bad_fraction,
+                          report_rows=cfg.report_rows, name=name)))
 
 
 def clear_cache() -> None:

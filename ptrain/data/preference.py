@@ -36,13 +36,10 @@ from ptrain.data.chat import (
 from ptrain.data.pipeline import (
     DataIterator,
     _READ,
-    _cache_key,
-    _CACHE,
     _examples_dataset,
     _finish,
     _pad,
-    _remember,
-    open_split,
+    cached_split,
 )
 from ptrain.data.report import BadRowReport
 
@@ -115,14 +112,9 @@ def tokenize_preference_rows(source, tokenizer, *, seq_len: int, truncate: bool,
 def preference_examples(cfg: DataConfig, tokenizer, *, seq_len: int, split: str = "train"
                         ) -> tuple[PreferencePairs, BadRowReport]:
     """Tokenised pairs of one split (cached per process) and their bad-row report."""
-    key = _cache_key(cfg, tokenizer, split, seq_len, "preference")
-    if key not in _CACHE:
-        source = open_split(cfg, split)
-        name = getattr(source, "path", None) or getattr(source, "name", split)
-        _remember(key, tokenize_preference_rows(source, tokenizer, seq_len=seq_len, truncate=cfg.truncate,
-                                                bad_rows=cfg.bad_rows, max_bad_fraction=cfg.max_bad_fraction,
-                                                report_rows=cfg.report_rows, name=name))
-    return _CACHE[key]
+    return cached_split(cfg, tokenizer, seq_len=seq_len, split=split, what="preference", tokenize=lambda source, name: (
+        tokenize_preference_rows(source, tokenizer, seq_len=seq_len, truncate=cfg.truncate, bad_rows=cfg.bad_rows,
+                                 max_bad_fraction=cfg.max_bad_fraction, report_rows=cfg.report_rows, name=name)))
 
 
 class _PairToArrays(grain.transforms.MapWithIndex):
