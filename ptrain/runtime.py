@@ -8,7 +8,7 @@ work to its own loop emitter, which fuses the backward pass's elementwise ops (t
 gradient, the softmax gradient) into the transposes that feed the weight-gradient dots;
 those strided loops took 1.4 s of a 10 s train step of the 8-layer benchmark model.
 Routing elementwise fusions to YNNPACK and dots to the default library instead measured
-8.6-9.0 s against 10.0-10.5 s for the same step, with the same loss to 7 digits
+8.1-9.1 s against 10.0-10.5 s for the same step, with the same loss to 7 digits
 (docs/performance.md). The same flag slows the MoE layer's tiled grouped matmuls (536 ->
 654 ms at 16 experts, tools/bench_moe.py), so the CLI sets it for dense models only. Set
 PTRAIN_XLA_CPU_TUNING=0 to turn it off; a `ynn_fusion_type` already in XLA_FLAGS is left

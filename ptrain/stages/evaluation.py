@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax
@@ -47,30 +48,50 @@ def stop_token_ids(tokenizer) -> list[int]:
     return stop or [tokenizer.eos_token_id]
 
 
+@dataclasses.dataclass
+class Completion:
+    text: str
+    """Decoded completion, special tokens dropped."""
+    finished: bool
+    """True when a stop token ended it (False: cut by max_new_tokens)."""
+    length: int
+    """Generated tokens, the stop token included."""
+
+
+def complete(model, prompt_ids: list[list[int]], tokenizer, *, max_new_tokens: int, temperature: float = 0.0,
+             seed: int = 0, batch_size: int = 64) -> list[Completion]:
+    """One completion per prompt, generated `batch_size` rows at a time. Every call is padded
+    to `batch_size` rows and one prompt bucket, so all of them reuse one compiled program;
+    call b samples with key fold_in(key(seed), b)."""
+    from ptrain.models.generate import bucket_length, generate
+
+    bucket = bucket_length(max(len(p) for p in prompt_ids))
+    stop, pad = stop_token_ids(tokenizer), tokenizer.pad_token_id or 0
+    out: list[Completion] = []
+    for b, start in enumerate(range(0, len(prompt_ids), batch_size)):
+        chunk = prompt_ids[start:start + batch_size]
+        ids = chunk + [chunk[0]] * (batch_size - len(chunk))
+        gen = generate(model, ids, max_new_tokens=max_new_tokens, temperature=temperature, stop_tokens=stop,
+                       pad_id=pad, prompt_bucket=bucket, rng=jax.random.fold_in(jax.random.key(seed), b))
+        for r in range(len(chunk)):
+            n = int(gen.lengths_B[r])
+            out.append(Completion(tokenizer.decode(gen.tokens_BxN[r, :n].tolist(), skip_special_tokens=True),
+                                  gen.finish_reasons[r] == "stop", n))
+    return out
+
+
 def exact_match_evaluator(run: RunConfig, prompts: list[EvalPrompt], tokenizer, placed,
                           batch_size: int = 64) -> Callable[[TrainState], dict]:
     """Fraction of held-out prompts whose greedy answer the task's verifier accepts."""
-    from ptrain.models.generate import bucket_length, generate
-
     t = run.train
     prompts = [p for p in prompts if p.task]
-    stop = stop_token_ids(tokenizer)
-    bucket = bucket_length(max(len(p.prompt_ids) for p in prompts))
-    pad = tokenizer.pad_token_id or 0
+    ids = [p.prompt_ids.tolist() for p in prompts]
 
     def evaluate(state: TrainState) -> dict:
         model = placed.model_def.bind(state.params, state.model_state)
-        correct, lengths = 0, []
-        for start in range(0, len(prompts), batch_size):
-            chunk = prompts[start:start + batch_size]
-            # pad the last chunk to the batch size so every call reuses one compiled program
-            ids = [p.prompt_ids.tolist() for p in chunk] + [chunk[0].prompt_ids.tolist()] * (batch_size - len(chunk))
-            out = generate(model, ids, max_new_tokens=t.eval_max_new_tokens, temperature=0.0, stop_tokens=stop,
-                           pad_id=pad, prompt_bucket=bucket)
-            for r, p in enumerate(chunk):
-                text = tokenizer.decode(out.tokens_BxN[r, : out.lengths_B[r]].tolist(), skip_special_tokens=True)
-                correct += bool(check_answer(p.task, text))
-                lengths.append(int(out.lengths_B[r]))
-        return {"exact_match": correct / max(len(prompts), 1), "response_length": float(np.mean(lengths))}
+        outs = complete(model, ids, tokenizer, max_new_tokens=t.eval_max_new_tokens, batch_size=batch_size)
+        correct = sum(bool(check_answer(p.task, o.text)) for p, o in zip(prompts, outs))
+        return {"exact_match": correct / max(len(prompts), 1),
+                "response_length": float(np.mean([o.length for o in outs]))}
 
     return evaluate

@@ -24,14 +24,11 @@ import os
 import time
 from typing import Any
 
-import jax
-import numpy as np
-
 from ptrain.config import RunConfig
 from ptrain.data.pipeline import make_eval_prompts, open_split
 from ptrain.data.preference import preference_conversations
 from ptrain.data.tasks import check_answer, write_jsonl
-from ptrain.stages.evaluation import stop_token_ids
+from ptrain.stages.evaluation import complete
 
 PAIRS_FILE = "policy_pairs.jsonl"
 META_FILE = "policy_pairs.json"
@@ -54,25 +51,12 @@ def first_wrong_step(chosen: str, rejected: str) -> str:
 
 
 def sample_completions(placed, params, model_state, prompts, tokenizer, *, samples: int, temperature: float,
-                       max_new_tokens: int, seed: int, batch_size: int = 64) -> list[list[tuple[str, bool]]]:
-    """`samples` (decoded completion, ended by a stop token) per prompt. One compiled
-    program: every call is padded to `batch_size` rows and one prompt bucket."""
-    from ptrain.models.generate import bucket_length, generate
-
+                       max_new_tokens: int, seed: int) -> list[list[tuple[str, bool]]]:
+    """`samples` (decoded completion, ended by a stop token) per prompt."""
     model = placed.model_def.bind(params, model_state)
-    rows = [(i, p.prompt_ids.tolist()) for i, p in enumerate(prompts) for _ in range(samples)]
-    bucket = bucket_length(max(len(p.prompt_ids) for p in prompts))
-    stop, pad = stop_token_ids(tokenizer), tokenizer.pad_token_id or 0
-    out: list[list[tuple[str, bool]]] = [[] for _ in prompts]
-    for b, start in enumerate(range(0, len(rows), batch_size)):
-        chunk = rows[start:start + batch_size]
-        ids = [r[1] for r in chunk] + [chunk[0][1]] * (batch_size - len(chunk))
-        gen = generate(model, ids, max_new_tokens=max_new_tokens, temperature=temperature, stop_tokens=stop,
-                       pad_id=pad, prompt_bucket=bucket, rng=jax.random.fold_in(jax.random.key(seed), b))
-        for r, (i, _) in enumerate(chunk):
-            text = tokenizer.decode(gen.tokens_BxN[r, : gen.lengths_B[r]].tolist(), skip_special_tokens=True)
-            out[i].append((text, gen.finish_reasons[r] == "stop"))
-    return out
+    ids = [p.prompt_ids.tolist() for p in prompts for _ in range(samples)]
+    outs = complete(model, ids, tokenizer, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    return [[(o.text, o.finished) for o in outs[i * samples:(i + 1) * samples]] for i in range(len(prompts))]
 
 
 def build_pairs(rows: list[dict], tasks: list[dict], completions: list[list[tuple[str, bool]]], *,
