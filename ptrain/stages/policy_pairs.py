@@ -72,7 +72,7 @@ def build_pairs(rows: list[dict], tasks: list[dict], completions: list[list[tupl
         prompt, data_chosen, _ = preference_conversations(row)
         # what the verifier needs; the data's notes on its own rejected side ("fault") do not apply
         verifier_task = {k: v for k, v in task.items() if k != "fault"}
-        graded = [(text, finished and check_answer(task, text)) for text, finished in samples]
+        graded = [(text, finished and check_answer(verifier_task, text)) for text, finished in samples]
         good = [text for text, ok in graded if ok]
         bad = [text for text, ok in graded if not ok and text.strip()]
         n_correct += len(good)
