@@ -20,7 +20,7 @@ from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ptrain.runtime import tune_xla_cpu
+from ptrain.runtime import reexec_with_malloc_tuning, tune_xla_cpu
 from ptrain.config import DPOAlgoConfig, OptimConfig  # noqa: E402
 from ptrain.models import Decoder  # noqa: E402
 from ptrain.train.objectives import dpo_denominator, make_dpo_objective  # noqa: E402
@@ -74,4 +74,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    reexec_with_malloc_tuning()  # the CLI's malloc setting (PTRAIN_MALLOC_TUNING=0 turns it off)
     main()

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ptrain.kernels import moe
+from ptrain.runtime import reexec_with_malloc_tuning
 
 
 CLOCK = time.perf_counter
@@ -203,4 +204,5 @@ def main():
 
 
 if __name__ == "__main__":
+    reexec_with_malloc_tuning()  # the CLI's malloc setting (PTRAIN_MALLOC_TUNING=0 turns it off)
     main()

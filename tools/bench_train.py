@@ -27,7 +27,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ptrain.runtime import tune_xla_cpu
+from ptrain.runtime import reexec_with_malloc_tuning, tune_xla_cpu
 from ptrain.config import ModelConfig, OptimConfig, SFTAlgoConfig
 from ptrain.models import Decoder, flops_per_token
 from ptrain.train.objectives import make_sft_objective, sft_denominator
@@ -147,4 +147,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    reexec_with_malloc_tuning()  # the CLI's malloc setting (PTRAIN_MALLOC_TUNING=0 turns it off)
     main()

@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ptrain.runtime import reexec_with_malloc_tuning  # noqa: E402
 
 
 class RMSNorm(nn.Module):
@@ -104,4 +109,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    reexec_with_malloc_tuning()  # the CLI's malloc setting (PTRAIN_MALLOC_TUNING=0 turns it off)
     main()

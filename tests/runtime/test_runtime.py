@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from ptrain.runtime import CPU_FLAGS, TUNED_JAXLIB, tune_xla_cpu
+from ptrain.runtime import CPU_FLAGS, MALLOC_TUNABLE, TUNED_JAXLIB, malloc_tuning_env, tune_xla_cpu
 
 TESTED = TUNED_JAXLIB[0]
 
@@ -49,3 +49,50 @@ def test_tuned_flags_keep_loss_and_gradients():
     assert tuned["loss"] == pytest.approx(plain["loss"], rel=1e-5)
     assert tuned["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-4)
     np.testing.assert_allclose(tuned["grad"], plain["grad"], rtol=1e-3, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- malloc tunable
+
+LINUX = dict(system="linux", glibc_version=(2, 36), thp_mode="madvise")
+
+
+def test_malloc_tunable_is_added_to_what_the_user_set():
+    env = malloc_tuning_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "HOME": "/h"}, **LINUX)
+    assert env == {"GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:{MALLOC_TUNABLE}", "HOME": "/h"}
+    assert malloc_tuning_env({}, **LINUX) == {"GLIBC_TUNABLES": MALLOC_TUNABLE}
+
+
+@pytest.mark.parametrize("env, overrides", [
+    ({"PTRAIN_MALLOC_TUNING": "0"}, {}),                              # turned off
+    ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, {}),               # the user chose
+    ({"GLIBC_TUNABLES": MALLOC_TUNABLE}, {}),                         # already restarted
+    ({}, {"system": "darwin"}),                                       # not Linux
+    ({}, {"glibc_version": ()}),                                      # musl or unknown libc
+    ({}, {"glibc_version": (2, 34)}),                                 # tunable not known yet
+    ({}, {"thp_mode": "always"}),                                     # huge pages already
+    ({}, {"thp_mode": "never"}),                                      # no huge pages at all
+    ({}, {"thp_mode": ""}),                                           # no THP in this kernel
+])
+def test_malloc_tunable_is_left_out(env, overrides):
+    assert malloc_tuning_env(env, **{**LINUX, **overrides}) is None
+
+
+def test_restart_keeps_the_command_line_and_happens_once(tmp_path):
+    """The entry-point call replaces the process once; the restarted process sees the same
+    arguments and the tunable, and does not restart again."""
+    script = tmp_path / "entry.py"
+    script.write_text(
+        "import os, sys\n"
+        "print('start', flush=True)\n"
+        "from ptrain.runtime import reexec_with_malloc_tuning\n"
+        "reexec_with_malloc_tuning()\n"
+        "print('args', sys.argv[1:], os.environ.get('GLIBC_TUNABLES', ''))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "PTRAIN_MALLOC_TUNING")}
+    out = subprocess.run([sys.executable, str(script), "a", "b=1"], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    expected = malloc_tuning_env(env)
+    assert lines[-1] == f"args ['a', 'b=1'] {expected['GLIBC_TUNABLES'] if expected else ''}"
+    assert lines.count("start") == (2 if expected else 1)
