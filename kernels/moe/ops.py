@@ -311,13 +311,13 @@ def expert_ffn_sorted(x_sorted_MxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_d
     """
     dt = x_sorted_MxD.dtype
     F = w_gate_ExDxF.shape[-1]
-    w_gu = jnp.concatenate([w_gate_ExDxF.astype(dt), w_up_ExDxF.astype(dt)], axis=-1)
     if resolve_implementation(implementation) == "xla":
         # One fused loop per pass instead of two grouped matmuls, an elementwise pass and
         # four more grouped matmuls backward (measured in tools/bench_moe.py).
-        x_sorted_MxD, w_gu, w_down = _match_varying_axes(x_sorted_MxD, w_gu, w_down_ExFxD.astype(dt))
-        return xla.fused_expert_ffn(x_sorted_MxD, group_sizes_E, w_gu, w_down,
-                                    tm=None if tiling is None else tiling[0])
+        x_sorted_MxD, wg, wu, wd = _match_varying_axes(
+            x_sorted_MxD, w_gate_ExDxF.astype(dt), w_up_ExDxF.astype(dt), w_down_ExFxD.astype(dt))
+        return xla.fused_expert_ffn(x_sorted_MxD, group_sizes_E, wg, wu, wd, tm=None if tiling is None else tiling[0])
+    w_gu = jnp.concatenate([w_gate_ExDxF.astype(dt), w_up_ExDxF.astype(dt)], axis=-1)
     h = grouped_matmul(x_sorted_MxD, w_gu, group_sizes_E, implementation=implementation, tiling=tiling)
     a = (jax.nn.silu(h[:, :F].astype(jnp.float32)) * h[:, F:].astype(jnp.float32)).astype(dt)
     return grouped_matmul(a, w_down_ExFxD.astype(dt), group_sizes_E, implementation=implementation, tiling=tiling)
