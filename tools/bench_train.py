@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import subprocess
 import time
@@ -70,8 +71,12 @@ def model_config(args) -> ModelConfig:
                        qk_norm=True, tie_embeddings=False, dtype=args.dtype, remat=args.remat)
 
 
-def time_steps(step, state, batch, warmup: int, steps: int):
-    """(compile seconds, median step seconds, final state, last metrics) of a jitted step."""
+def time_steps(step, state, batch, warmup: int, steps: int, usage: dict | None = None):
+    """(compile seconds, median step seconds, final state, last metrics) of a jitted step.
+
+    With `usage`, also fills in the process's user and kernel CPU seconds and minor page
+    faults per timed step (getrusage): kernel time is where page faults and thread
+    wake-ups show up."""
     t = time.perf_counter()
     state, m = step(state, batch)
     jax.block_until_ready(m)
@@ -80,11 +85,17 @@ def time_steps(step, state, batch, warmup: int, steps: int):
         state, m = step(state, batch)
     jax.block_until_ready(m)
     times = []
+    before = resource.getrusage(resource.RUSAGE_SELF)
     for _ in range(steps):
         t = time.perf_counter()
         state, m = step(state, batch)
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    if usage is not None:
+        usage.update(user_cpu_s_per_step=round((after.ru_utime - before.ru_utime) / steps, 2),
+                     sys_cpu_s_per_step=round((after.ru_stime - before.ru_stime) / steps, 2),
+                     minor_faults_per_step=(after.ru_minflt - before.ru_minflt) // steps)
     return compile_s, statistics.median(times), state, m
 
 
@@ -101,7 +112,8 @@ def bench(args) -> dict:
     ids = rng.integers(0, args.vocab, (B, L + 1)).astype(np.int32)
     batch = dict(input_ids=ids[:, :-1], target_ids=ids[:, 1:], loss_mask=np.ones((B, L), np.float32),
                  segment_ids=np.ones((B, L), np.int32), positions=np.broadcast_to(np.arange(L, dtype=np.int32), (B, L)))
-    compile_s, step_s, state, m = time_steps(step, state, jax.device_put(batch), args.warmup, args.steps)
+    usage: dict = {}
+    compile_s, step_s, state, m = time_steps(step, state, jax.device_put(batch), args.warmup, args.steps, usage)
     tokens_per_s = B * L / step_s
     peak = best_matmul_peak(args.peak_n)
     fpt = flops_per_token(cfg, L)
@@ -112,7 +124,7 @@ def bench(args) -> dict:
         "train_gflop_per_token": round(fpt / 1e9, 4),
         "achieved_gflops": round(tokens_per_s * fpt / 1e9, 1), "matmul_peak_gflops": round(peak / 1e9, 1),
         "mfu": round(tokens_per_s * fpt / peak, 3), "final_loss": round(float(m["loss"]), 4),
-        "devices": str(jax.devices()[0].platform),
+        "devices": str(jax.devices()[0].platform), **usage,
     }
 
 
