@@ -19,7 +19,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from ptrain.config import ConfigError, register_configs, to_run_config
-from ptrain.runtime import reexec_with_malloc_tuning, tune_xla_cpu
+from ptrain.runtime import tune_xla_cpu
 
 log = logging.getLogger("ptrain")
 
@@ -55,7 +55,6 @@ def _hydra_main(cfg: DictConfig) -> Any:
 
 
 def main() -> None:
-    reexec_with_malloc_tuning()  # first: it restarts the process (ptrain/runtime.py says why)
     _hydra_main()
 
 
