@@ -79,6 +79,15 @@ def test_permute_and_combine_roundtrip(ffn_inputs):
     np.testing.assert_allclose(np.asarray(y), np.asarray(x * w.sum(1, keepdims=True)), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("n_keys", [5, 2**30])  # packed single-key sort; argsort when the key would overflow
+def test_stable_argsort_of_expert_ids_matches_numpy(n_keys):
+    from ptrain.kernels.moe.ops import _stable_argsort_small_keys
+
+    keys = np.random.default_rng(0).integers(0, 5, 200).astype(np.int32)  # many ties: stability matters
+    got = np.asarray(_stable_argsort_small_keys(jnp.asarray(keys), n_keys))
+    np.testing.assert_array_equal(got, np.argsort(keys, kind="stable"))
+
+
 def test_permute_combine_gradients_are_gathers(ffn_inputs):
     x, ids, w = ffn_inputs[:3]
 
