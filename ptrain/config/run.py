@@ -171,8 +171,9 @@ def _validate_values(run: RunConfig, where: str = "") -> None:
     c(a.sft.aggregation in ("token_mean", "sequence_mean", "sum"), "algo.sft.aggregation",
       f"pass token_mean, sequence_mean or sum, got '{a.sft.aggregation}'")
     c(0 <= a.sft.label_smoothing < 1, "algo.sft.label_smoothing", f"must be in [0, 1), got {a.sft.label_smoothing}")
-    c(a.dpo.kind in ("sigmoid", "ipo", "hinge", "robust", "dpo_norm", "simpo", "orpo", "rpo"), "algo.dpo.kind",
-      f"unknown preference loss '{a.dpo.kind}'; pass sigmoid, ipo, hinge, robust, dpo_norm, simpo, orpo or rpo")
+    c(a.dpo.kind in ("sigmoid", "ipo", "hinge", "robust", "dpo_norm", "simpo", "orpo", "rpo", "dpop"), "algo.dpo.kind",
+      f"unknown preference loss '{a.dpo.kind}'; pass sigmoid, ipo, hinge, robust, dpo_norm, simpo, orpo, rpo or dpop")
+    c(a.dpo.dpop_lambda >= 0, "algo.dpo.dpop_lambda", f"must be >= 0, got {a.dpo.dpop_lambda}")
     c(a.dpo.beta > 0, "algo.dpo.beta", f"must be > 0, got {a.dpo.beta}")
     c(a.dpo.policy_pairs >= 0, "algo.dpo.policy_pairs", f"must be >= 0 (0: the data's own pairs), got {a.dpo.policy_pairs}")
     c(a.dpo.policy_samples >= 1, "algo.dpo.policy_samples", f"must be >= 1, got {a.dpo.policy_samples}")

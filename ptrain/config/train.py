@@ -129,7 +129,8 @@ class SFTAlgoConfig:
 @dataclass
 class DPOAlgoConfig:
     kind: str = "sigmoid"
-    """Preference loss: sigmoid (DPO) | ipo | hinge | robust | dpo_norm | simpo | orpo | rpo."""
+    """Preference loss: sigmoid (DPO) | ipo | hinge | robust | dpo_norm | simpo | orpo | rpo |
+    dpop (formulas and papers: ptrain/losses/preference.py)."""
     beta: float = 0.1
     """Inverse temperature of the implicit reward (> 0)."""
     label_smoothing: float = 0.0
@@ -138,6 +139,9 @@ class DPOAlgoConfig:
     """SimPO target reward margin (gamma/beta ratio form: margin = gamma)."""
     nll_weight: float = 1.0
     """Weight of the chosen NLL term for rpo/orpo."""
+    dpop_lambda: float = 50.0
+    """Weight of DPO-Positive's penalty on a chosen log-prob below the reference's, for
+    kind=dpop (>= 0; Pal et al. 2024 use 50)."""
     precompute_reference: bool = False
     """Compute reference log-probs in one pass over the data before training (saves the
     reference params' memory) instead of inside every step."""

@@ -21,6 +21,9 @@ the kinds are (per example, to minimise):
             logodds = a - log(1 - exp(a)), a = log pi(y)/|y|      ORPO, Hong et al. 2403.07691 (beta = lambda;
                                                                   no reference)
   rpo       sigmoid loss + nll_weight (-log pi(y_w)/|y_w|)        RPO, Pang et al. 2404.19733
+  dpop      -log sigma(beta (h - lambda max(0, -rho_w)))          DPO-Positive, Pal et al. 2402.13228
+            (penalises a chosen log-prob that falls below the reference's: for pairs that
+            differ in a few tokens, where plain DPO lowers both sides)
 
 label_smoothing also applies (conservative form) to dpo_norm and simpo.
 
@@ -36,7 +39,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-PREFERENCE_KINDS = ("sigmoid", "robust", "ipo", "hinge", "dpo_norm", "simpo", "orpo", "rpo")
+PREFERENCE_KINDS = ("sigmoid", "robust", "ipo", "hinge", "dpo_norm", "simpo", "orpo", "rpo", "dpop")
 _REFERENCE_FREE = ("simpo", "orpo")
 _NEEDS_COUNTS = ("dpo_norm", "simpo", "orpo", "rpo")
 _SMOOTHABLE = ("sigmoid", "robust", "dpo_norm", "simpo")
@@ -110,7 +113,7 @@ def _sigmoid_family(x, kind: str, eps: float):
 def preference_loss(policy_chosen_logps: jax.Array, policy_rejected_logps: jax.Array,
                     ref_chosen_logps: jax.Array | None = None, ref_rejected_logps: jax.Array | None = None, *,
                     kind: str = "sigmoid", beta: float = 0.1, label_smoothing: float = 0.0, gamma: float = 0.0,
-                    nll_weight: float = 1.0, chosen_token_counts: jax.Array | None = None,
+                    nll_weight: float = 1.0, dpop_lambda: float = 50.0, chosen_token_counts: jax.Array | None = None,
                     rejected_token_counts: jax.Array | None = None) -> tuple[jax.Array, PreferenceAux]:
   """Per-example preference loss of one of `PREFERENCE_KINDS` (formulas in the module docstring).
 
@@ -125,6 +128,7 @@ def preference_loss(policy_chosen_logps: jax.Array, policy_rejected_logps: jax.A
       conservative DPO; robust: rDPO).
     gamma: SimPO target reward margin (used by simpo only).
     nll_weight: alpha, weight of the chosen NLL term (used by rpo only).
+    dpop_lambda: lambda, weight of DPO-Positive's penalty (used by dpop only; 50 in the paper).
     chosen_token_counts, rejected_token_counts: `[B]` completion lengths |y| (needed by
       dpo_norm, simpo, orpo, rpo; also fill aux.chosen_nll when given).
 
@@ -138,6 +142,8 @@ def preference_loss(policy_chosen_logps: jax.Array, policy_rejected_logps: jax.A
   if (chosen_token_counts is None) != (rejected_token_counts is None):
     raise ValueError("pass both chosen_token_counts and rejected_token_counts, or neither.")
   _check_preference_args(kind, beta, label_smoothing, ref_given, counts_given)
+  if dpop_lambda < 0:
+    raise ValueError(f"dpop_lambda must be >= 0, got {dpop_lambda}.")
 
   pc = _as_f32_vector(policy_chosen_logps, "policy_chosen_logps", None)
   batch = pc.shape[0]
@@ -173,6 +179,8 @@ def preference_loss(policy_chosen_logps: jax.Array, policy_rejected_logps: jax.A
     loss = jnp.square(h - 1.0 / (2.0 * beta))
   elif kind == "hinge":
     loss = jax.nn.relu(1.0 - beta * h)
+  elif kind == "dpop":
+    loss = -jax.nn.log_sigmoid(beta * (h - dpop_lambda * jax.nn.relu(-rho_w)))
   else:  # orpo
     loss = chosen_nll - beta * jax.nn.log_sigmoid(_log_odds(rho_w) - _log_odds(rho_l))
 

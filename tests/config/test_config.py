@@ -44,6 +44,7 @@ def test_stage_overrides_merge_over_top_level_nodes():
     (["model.dtype=float16"], "model.dtype"),
     (["algo.sft.aggregation=median"], "algo.sft.aggregation"),
     (["algo.dpo.beta=0"], "algo.dpo.beta"),
+    (["algo.dpo.dpop_lambda=-1"], "algo.dpo.dpop_lambda"),
     (["algo.dpo.policy_pairs=-1"], "algo.dpo.policy_pairs"),
     (["algo.dpo.policy_samples=0"], "algo.dpo.policy_samples"),
     (["algo.dpo.policy_temperature=-0.5"], "algo.dpo.policy_temperature"),

@@ -93,6 +93,26 @@ def _grads(kind, pc, pr, **kw):
   return [float(g[0]) for g in jax.grad(f, argnums=(0, 1, 2, 3))(x(pc), x(pr), x(RC), x(RR))]
 
 
+def test_dpop_hand_values():
+  """DPO-Positive = DPO while the chosen log-prob is at or above the reference's.
+
+  At (PC, RC) = (-3, -4), rho_w = 1 > 0: no penalty, loss = softplus(-1) at beta 0.5.
+  With pc = -4.5 (rho_w = -0.5, h = -0.5 + 1 = 0.5), lambda 2: logit 0.5 * (0.5 - 2 * 0.5)
+  = -0.25, loss = softplus(0.25) = 0.8259394; plain DPO would give softplus(-0.25) = 0.5759394.
+  The gradient on the chosen log-prob grows by the penalty: dL/d pi_w = -beta (1 + lambda)
+  sigma(-x) = -0.5 * 3 * sigma(0.25) = -0.8341529 (plain DPO: -0.5 sigma(-0.25) = -0.2189...).
+  """
+  loss, _ = _loss("dpop", beta=0.5, dpop_lambda=2.0)
+  np.testing.assert_allclose(loss, SP1, rtol=1e-6)
+  loss, _ = _loss("dpop", pc=-4.5, beta=0.5, dpop_lambda=2.0)
+  np.testing.assert_allclose(loss, np.log1p(np.exp(0.25)), rtol=1e-6)
+  gw, gl, *_ = _grads("dpop", -4.5, PR, beta=0.5, dpop_lambda=2.0)
+  np.testing.assert_allclose(gw, -0.5 * 3 / (1 + np.exp(-0.25)), rtol=1e-5)
+  np.testing.assert_allclose(gl, 0.5 / (1 + np.exp(-0.25)), rtol=1e-5)
+  with pytest.raises(ValueError, match="dpop_lambda"):
+    _loss("dpop", dpop_lambda=-1.0)
+
+
 def test_dpo_and_ipo_gradient_signs():
   """Minimising must raise the chosen and lower the rejected log-prob; the reference gets none.
 
