@@ -19,7 +19,8 @@ Why the malloc setting: XLA:CPU allocates each execution's temporary buffers in 
 unmaps afterwards, so every step page-faults the whole block in again at 4 KiB a fault:
 80,000 faults and 0.22 s of kernel time per 0.5 s step (measured with getrusage). With
 `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` (glibc >= 2.35) malloc asks for transparent huge
-pages on those blocks: 2,300 faults a step and the layer 15-20% faster. glibc reads
+pages on those blocks: 2,300 faults a step and the layer alone 15-20% faster (with torch
+in the same process it got slower instead; tools/bench_moe.py says more). glibc reads
 tunables only at process start, so `reexec_with_malloc_tuning()` restarts the process
 once with the variable set; entry points call it first thing. It does nothing where the
 kernel has transparent huge pages off or on for everything, off Linux/glibc, when the
@@ -84,7 +85,11 @@ def _thp_mode() -> str:
 
 
 def _glibc_version() -> tuple[int, ...]:
-    lib, text = platform.libc_ver()
+    """The running glibc's (major, minor), or () under another libc."""
+    try:
+        lib, _, text = os.confstr("CS_GNU_LIBC_VERSION").partition(" ")  # "glibc 2.36"
+    except (AttributeError, ValueError, OSError):  # no confstr name here: ask the binary instead
+        lib, text = platform.libc_ver()
     if lib != "glibc" or not text:
         return ()
     return tuple(int(p) for p in text.split(".")[:2] if p.isdigit())
