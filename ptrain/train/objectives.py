@@ -137,7 +137,8 @@ def make_dpo_objective(model_def: ModelDef, cfg: DPOAlgoConfig, *, vocab_chunk: 
                                          vocab_chunk)
         loss_b, aux = preference_loss(pc, pr, rc, rr, kind=cfg.kind, beta=cfg.beta,
                                       label_smoothing=cfg.label_smoothing, gamma=cfg.gamma,
-                                      nll_weight=cfg.nll_weight, dpop_lambda=cfg.dpop_lambda, chosen_token_counts=nc, rejected_token_counts=nr)
+                                      nll_weight=cfg.nll_weight, dpop_lambda=cfg.dpop_lambda,
+                                      chosen_token_counts=nc, rejected_token_counts=nr)
         valid = (batch["pair_index"] >= 0).astype(jnp.float32)
         mean = lambda x: jnp.sum(x * valid) / denom
         metrics = {
