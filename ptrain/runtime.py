@@ -25,6 +25,17 @@ tunables only at process start, so `reexec_with_malloc_tuning()` restarts the pr
 once with the variable set; entry points call it first thing. It does nothing where the
 kernel has transparent huge pages off or on for everything, off Linux/glibc, when the
 user set a `glibc.malloc.hugetlb` tunable, or when PTRAIN_MALLOC_TUNING=0.
+
+PTRAIN_MALLOC_TUNING=retain goes further and keeps the freed block in the process: one
+malloc arena (so worker threads' blocks come from the main heap, not from mmap), no mmap,
+no trimming. The next step then reuses pages that are already faulted in, which removes
+the kernel's zeroing of fresh pages (1.4-2.7 s of kernel CPU per SFT bench step, 9 s per
+DPO step): the SFT bench step ran 6.9-7.0 s against 7.9-9.4 s in interleaved pairs, the
+DPO step 17.5 against 23.6 s. The price is memory: XLA frees a step's block a few
+milliseconds after the step's outputs are ready, so a step dispatched at once cannot reuse
+it and the heap settles at two to three blocks (SFT bench peak RSS 12.0 GiB against 4.7,
+DPO 23.1 against 8.9; with a 5 ms pause between steps the SFT bench stayed at 4.6 GiB). It
+is therefore opt-in, for CPU runs with memory to spare (docs/performance.md, "Page faults").
 """
 
 from __future__ import annotations
@@ -70,6 +81,11 @@ def tune_xla_cpu(environ: MutableMapping[str, str] = os.environ, jaxlib_version:
 
 
 MALLOC_TUNABLE = "glibc.malloc.hugetlb=1"
+# PTRAIN_MALLOC_TUNING=retain: every thread allocates from the main heap, which never
+# shrinks (trim threshold 64 GiB), so a freed step block stays faulted in for the next step.
+RETAIN_TUNABLES = ("glibc.malloc.arena_max=1", "glibc.malloc.mmap_max=0", "glibc.malloc.trim_threshold=68719476736")
+MALLOC_MODES = {"1": "huge pages for large blocks (the default)", "retain": "huge pages and keep freed memory",
+                "0": "glibc's defaults"}
 THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
@@ -99,22 +115,31 @@ def malloc_tuning_env(
     environ: Mapping[str, str] = os.environ, *, system: Optional[str] = None,
     glibc_version: Optional[tuple[int, ...]] = None, thp_mode: Optional[str] = None,
 ) -> Optional[dict[str, str]]:
-    """The environment to restart with (`environ` plus the malloc tunable), or None when
-    restarting would change nothing (see the module docstring for the cases)."""
-    if environ.get("PTRAIN_MALLOC_TUNING", "1") == "0":
+    """The environment to restart with (`environ` plus the malloc tunables), or None when
+    restarting would change nothing (see the module docstring for the cases).
+
+    Tunables the user already set are kept as they are, and only the missing ones are
+    added, so the restarted process (which has them all) returns None.
+    """
+    mode = environ.get("PTRAIN_MALLOC_TUNING", "1")
+    if mode not in MALLOC_MODES:
+        choices = ", ".join(f"{k} ({v})" for k, v in MALLOC_MODES.items())
+        raise ValueError(f"PTRAIN_MALLOC_TUNING={mode!r} is not a malloc mode; set it to one of: {choices}")
+    if mode == "0" or (system if system is not None else sys.platform) != "linux":
         return None
+    glibc = glibc_version if glibc_version is not None else _glibc_version()
     current = environ.get("GLIBC_TUNABLES", "")
-    if "glibc.malloc.hugetlb" in current:
-        return None
-    if (system if system is not None else sys.platform) != "linux":
-        return None
-    if (glibc_version if glibc_version is not None else _glibc_version()) < (2, 35):
-        return None
+    wanted = []
     # "always" already backs these blocks with huge pages; "never" makes the tunable moot.
-    if (thp_mode if thp_mode is not None else _thp_mode()) != "madvise":
+    if glibc >= (2, 35) and "glibc.malloc.hugetlb" not in current and \
+            (thp_mode if thp_mode is not None else _thp_mode()) == "madvise":
+        wanted.append(MALLOC_TUNABLE)
+    if mode == "retain" and glibc >= (2, 26):  # GLIBC_TUNABLES arrived in 2.26
+        wanted += [t for t in RETAIN_TUNABLES if t.partition("=")[0] not in current]
+    if not wanted:
         return None
     env = dict(environ)
-    env["GLIBC_TUNABLES"] = ":".join(t for t in (current, MALLOC_TUNABLE) if t)
+    env["GLIBC_TUNABLES"] = ":".join(t for t in (current, *wanted) if t)
     return env
 
 
@@ -124,7 +149,10 @@ def reexec_with_malloc_tuning() -> None:
     Call it first thing in a process entry point (never from library code): the process
     image is replaced, so nothing done before the call survives.
     """
-    env = malloc_tuning_env()
+    try:
+        env = malloc_tuning_env()
+    except ValueError as e:
+        raise SystemExit(f"ptrain: {e}") from None
     if env is None:
         return
     argv = list(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])

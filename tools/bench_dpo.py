@@ -56,10 +56,12 @@ def bench(args) -> dict:
         state = init_train_state(params, tx, seed=0, model_state=rest)
     else:
         state = init_train_state(params, tx, seed=0, model_state=rest, ref_params=jax.tree.map(np.array, params))
-    compile_s, step_s, _, m = time_steps(step, state, jax.device_put(batch), args.warmup, args.steps)
+    usage: dict = {}
+    compile_s, step_s, _, m = time_steps(step, state, jax.device_put(batch), args.warmup, args.steps, usage,
+                                         args.pause_ms / 1000)
     return {"pairs": args.batch, "seq": args.seq, "reference": "precomputed" if args.precompute else "in step",
             "compile_s": round(compile_s, 1), "step_s_median": round(step_s, 3),
-            "tokens_per_s": round(2 * args.batch * args.seq / step_s, 1), "loss": round(float(m["loss"]), 4)}
+            "tokens_per_s": round(2 * args.batch * args.seq / step_s, 1), "loss": round(float(m["loss"]), 4), **usage}
 
 
 def main(argv=None):

@@ -71,19 +71,21 @@ def model_config(args) -> ModelConfig:
                        qk_norm=True, tie_embeddings=False, dtype=args.dtype, remat=args.remat)
 
 
-def time_steps(step, state, batch, warmup: int, steps: int, usage: dict | None = None):
+def time_steps(step, state, batch, warmup: int, steps: int, usage: dict | None = None, pause_s: float = 0.0):
     """(compile seconds, median step seconds, final state, last metrics) of a jitted step.
 
     With `usage`, also fills in the process's user and kernel CPU seconds and minor page
     faults per timed step (getrusage): kernel time is where page faults and thread
-    wake-ups show up."""
+    wake-ups show up. `pause_s` sleeps after each step (outside the timing), to see what
+    back-to-back dispatch costs in memory (docs/performance.md, "Page faults")."""
     t = time.perf_counter()
     state, m = step(state, batch)
     jax.block_until_ready(m)
     compile_s = time.perf_counter() - t
     for _ in range(warmup):
         state, m = step(state, batch)
-    jax.block_until_ready(m)
+        jax.block_until_ready(m)
+        time.sleep(pause_s)
     times = []
     before = resource.getrusage(resource.RUSAGE_SELF)
     for _ in range(steps):
@@ -91,6 +93,7 @@ def time_steps(step, state, batch, warmup: int, steps: int, usage: dict | None =
         state, m = step(state, batch)
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t)
+        time.sleep(pause_s)
     after = resource.getrusage(resource.RUSAGE_SELF)
     if usage is not None:
         usage.update(user_cpu_s_per_step=round((after.ru_utime - before.ru_utime) / steps, 2),
@@ -115,7 +118,8 @@ def bench(args) -> dict:
     batch = dict(input_ids=ids[:, :-1], target_ids=ids[:, 1:], loss_mask=np.ones((B, L), np.float32),
                  segment_ids=np.ones((B, L), np.int32), positions=np.broadcast_to(np.arange(L, dtype=np.int32), (B, L)))
     usage: dict = {}
-    compile_s, step_s, state, m = time_steps(step, state, jax.device_put(batch), args.warmup, args.steps, usage)
+    compile_s, step_s, state, m = time_steps(step, state, jax.device_put(batch), args.warmup, args.steps, usage,
+                                                   args.pause_ms / 1000)
     tokens_per_s = B * L / step_s
     peak = best_matmul_peak(args.peak_n)
     fpt = flops_per_token(cfg, L)
@@ -146,6 +150,7 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--peak-n", type=int, default=4096, help="matrix size of the peak-FLOP/s matmul")
+    ap.add_argument("--pause-ms", type=float, default=0.0, help="sleep after each step, outside the timing")
 
 
 def main(argv=None):

@@ -8,7 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from ptrain.runtime import CPU_FLAGS, MALLOC_TUNABLE, TUNED_JAXLIB, malloc_tuning_env, tune_xla_cpu
+from ptrain.runtime import (CPU_FLAGS, MALLOC_TUNABLE, RETAIN_TUNABLES, TUNED_JAXLIB, malloc_tuning_env,
+                            reexec_with_malloc_tuning, tune_xla_cpu)
 
 TESTED = TUNED_JAXLIB[0]
 
@@ -75,6 +76,32 @@ def test_malloc_tunable_is_added_to_what_the_user_set():
 ])
 def test_malloc_tunable_is_left_out(env, overrides):
     assert malloc_tuning_env(env, **{**LINUX, **overrides}) is None
+
+
+@pytest.mark.parametrize("env, overrides, added", [
+    ({}, {}, [MALLOC_TUNABLE, *RETAIN_TUNABLES]),
+    ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, {}, [MALLOC_TUNABLE, *RETAIN_TUNABLES[1:]]),  # user's arena count kept
+    ({}, {"thp_mode": "always"}, list(RETAIN_TUNABLES)),        # huge pages already: only the retaining part
+    ({}, {"glibc_version": (2, 31)}, list(RETAIN_TUNABLES)),    # no hugetlb tunable before 2.35
+])
+def test_retain_mode_adds_the_missing_tunables(env, overrides, added):
+    env = {**env, "PTRAIN_MALLOC_TUNING": "retain"}
+    out = malloc_tuning_env(env, **{**LINUX, **overrides})
+    assert out["GLIBC_TUNABLES"] == ":".join([*filter(None, [env.get("GLIBC_TUNABLES", "")]), *added])
+    assert malloc_tuning_env(out, **{**LINUX, **overrides}) is None  # the restarted process does not restart again
+
+
+@pytest.mark.parametrize("overrides", [{"system": "darwin"}, {"glibc_version": ()}, {"glibc_version": (2, 17)}])
+def test_retain_mode_is_left_out_without_glibc_tunables(overrides):
+    assert malloc_tuning_env({"PTRAIN_MALLOC_TUNING": "retain"}, **{**LINUX, **overrides}) is None
+
+
+def test_unknown_malloc_mode_names_the_choices(monkeypatch):
+    with pytest.raises(ValueError, match="PTRAIN_MALLOC_TUNING='fast'.*retain"):
+        malloc_tuning_env({"PTRAIN_MALLOC_TUNING": "fast"}, **LINUX)
+    monkeypatch.setenv("PTRAIN_MALLOC_TUNING", "fast")
+    with pytest.raises(SystemExit, match="ptrain: PTRAIN_MALLOC_TUNING='fast'"):
+        reexec_with_malloc_tuning()
 
 
 def test_restart_keeps_the_command_line_and_happens_once(tmp_path):
