@@ -48,7 +48,7 @@ def bench(args) -> dict:
     model_def, params, rest = split_model(Decoder(cfg, rngs=nnx.Rngs(0)))
     tx, lr = make_optimizer(OptimConfig(lr=1e-6, schedule="constant"), 1000)
     objective = make_dpo_objective(model_def, DPOAlgoConfig(kind="sigmoid", beta=0.1), vocab_chunk=args.vocab_chunk)
-    step = jax.jit(make_train_step(objective, dpo_denominator, tx, lr), donate_argnums=(0,))
+    step = jax.jit(make_train_step(objective, dpo_denominator, tx, lr, grad_accum=args.grad_accum), donate_argnums=(0,))
     batch = preference_batch(args.batch, args.seq, args.vocab, args.seq // 4)
     if args.precompute:
         batch.update(ref_chosen_logps=np.full(args.batch, -900.0, np.float32),
@@ -59,7 +59,7 @@ def bench(args) -> dict:
     usage: dict = {}
     compile_s, step_s, _, m = time_steps(step, state, jax.device_put(batch), args.warmup, args.steps, usage,
                                          args.pause_ms / 1000)
-    return {"pairs": args.batch, "seq": args.seq, "reference": "precomputed" if args.precompute else "in step",
+    return {"pairs": args.batch, "grad_accum": args.grad_accum, "seq": args.seq, "reference": "precomputed" if args.precompute else "in step",
             "compile_s": round(compile_s, 1), "step_s_median": round(step_s, 3),
             "tokens_per_s": round(2 * args.batch * args.seq / step_s, 1), "loss": round(float(m["loss"]), 4), **usage}
 
