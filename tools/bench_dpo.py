@@ -59,7 +59,8 @@ def bench(args) -> dict:
     usage: dict = {}
     compile_s, step_s, _, m = time_steps(step, state, jax.device_put(batch), args.warmup, args.steps, usage,
                                          args.pause_ms / 1000)
-    return {"pairs": args.batch, "grad_accum": args.grad_accum, "seq": args.seq, "reference": "precomputed" if args.precompute else "in step",
+    return {"pairs": args.batch, "grad_accum": args.grad_accum, "seq": args.seq,
+            "reference": "precomputed" if args.precompute else "in step",
             "compile_s": round(compile_s, 1), "step_s_median": round(step_s, 3),
             "tokens_per_s": round(2 * args.batch * args.seq / step_s, 1), "loss": round(float(m["loss"]), 4), **usage}
 

@@ -99,7 +99,8 @@ def time_steps(step, state, batch, warmup: int, steps: int, usage: dict | None =
         usage.update(user_cpu_s_per_step=round((after.ru_utime - before.ru_utime) / steps, 2),
                      sys_cpu_s_per_step=round((after.ru_stime - before.ru_stime) / steps, 2),
                      minor_faults_per_step=(after.ru_minflt - before.ru_minflt) // steps,
-                     context_switches_per_step=(after.ru_nvcsw + after.ru_nivcsw - before.ru_nvcsw - before.ru_nivcsw) // steps,
+                     context_switches_per_step=(after.ru_nvcsw + after.ru_nivcsw
+                                                - before.ru_nvcsw - before.ru_nivcsw) // steps,
                      max_rss_gib=round(after.ru_maxrss / 2**20, 2))
     return compile_s, statistics.median(times), state, m
 

@@ -80,7 +80,8 @@ def test_malloc_tunable_is_left_out(env, overrides):
 
 @pytest.mark.parametrize("env, overrides, added", [
     ({}, {}, [MALLOC_TUNABLE, *RETAIN_TUNABLES]),
-    ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, {}, [MALLOC_TUNABLE, *RETAIN_TUNABLES[1:]]),  # user's arena count kept
+    # the user's arena count is kept
+    ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, {}, [MALLOC_TUNABLE, *RETAIN_TUNABLES[1:]]),
     ({}, {"thp_mode": "always"}, list(RETAIN_TUNABLES)),        # huge pages already: only the retaining part
     ({}, {"glibc_version": (2, 31)}, list(RETAIN_TUNABLES)),    # no hugetlb tunable before 2.35
 ])
