@@ -110,8 +110,9 @@ def bench(args) -> dict:
     model_def, params, rest = split_model(Decoder(cfg, rngs=nnx.Rngs(0)))
     tx, lr = make_optimizer(OptimConfig(lr=1e-4, schedule="constant"), 1000)
     algo = SFTAlgoConfig()
-    step = jax.jit(make_train_step(make_sft_objective(model_def, algo), sft_denominator(algo, 1.0), tx, lr,
-                                   grad_accum=args.grad_accum), donate_argnums=(0,))
+    objective = make_sft_objective(model_def, algo, vocab_chunk=args.vocab_chunk)
+    step = jax.jit(make_train_step(objective, sft_denominator(algo, 1.0), tx, lr, grad_accum=args.grad_accum),
+                   donate_argnums=(0,))
     state = init_train_state(params, tx, seed=0, model_state=rest)
     rng = np.random.default_rng(0)
     B, L = args.batch, args.seq
@@ -126,7 +127,7 @@ def bench(args) -> dict:
     fpt = flops_per_token(cfg, L)
     return {
         "params_M": round(sum(x.size for x in jax.tree.leaves(params)) / 1e6, 2),
-        "batch": f"{B}x{L}", "grad_accum": args.grad_accum, "dtype": args.dtype, "compile_s": round(compile_s, 1),
+        "batch": f"{B}x{L}", "grad_accum": args.grad_accum, "vocab_chunk": args.vocab_chunk, "dtype": args.dtype, "compile_s": round(compile_s, 1),
         "step_s_median": round(step_s, 3), "tokens_per_s": round(tokens_per_s, 1),
         "train_gflop_per_token": round(fpt / 1e9, 4),
         "achieved_gflops": round(tokens_per_s * fpt / 1e9, 1), "matmul_peak_gflops": round(peak / 1e9, 1),
@@ -147,6 +148,8 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (a scan inside the step)")
     ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--vocab-chunk", type=int, default=0,
+                    help="train.vocab_chunk: 0 reads full logits, > 0 walks the vocabulary in chunks of this size")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--remat", default="none")
     ap.add_argument("--warmup", type=int, default=2)
