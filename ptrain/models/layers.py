@@ -327,5 +327,37 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype
-        h = jax.nn.silu(x @ self.gate[...].astype(dt)) * (x @ self.up[...].astype(dt))
-        return h @ self.down[...].astype(dt)
+        return swiglu(x, self.gate[...].astype(dt), self.up[...].astype(dt), self.down[...].astype(dt))
+
+
+@jax.custom_vjp
+def swiglu(x: jax.Array, w_gate_DxF: jax.Array, w_up_DxF: jax.Array, w_down_FxD: jax.Array) -> jax.Array:
+    """down(silu(x W_gate) * (x W_up)) with a hand-written backward pass: the SiLU-and-product
+    derivative is one elementwise expression over [tokens, F] that also rebuilds the hidden
+    activation, where autodiff left several passes (11% of the MLP's forward + backward on
+    CPU, docs/performance.md)."""
+    return _swiglu_fwd(x, w_gate_DxF, w_up_DxF, w_down_FxD)[0]
+
+
+def _swiglu_fwd(x, w_gate, w_up, w_down):
+    g, u = x @ w_gate, x @ w_up
+    return (jax.nn.silu(g) * u) @ w_down, (x, w_gate, w_up, w_down, g, u)
+
+
+def _swiglu_bwd(residuals, dy):
+    x, w_gate, w_up, w_down, g, u = residuals
+    dh = (dy @ w_down.T).astype(jnp.float32)
+    g32, u32 = g.astype(jnp.float32), u.astype(jnp.float32)
+    sig = jax.nn.sigmoid(g32)
+    act = g32 * sig  # silu(g); d silu / dg = sig + silu(g) (1 - sig)
+    h = (act * u32).astype(x.dtype)
+    dg = (dh * u32 * (sig + act * (1.0 - sig))).astype(x.dtype)
+    du = (dh * act).astype(x.dtype)
+    x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+    dg2, du2 = dg.reshape(-1, dg.shape[-1]), du.reshape(-1, du.shape[-1])
+    dx = dg @ w_gate.T + du @ w_up.T
+    return (dx, (x2.T @ dg2).astype(w_gate.dtype), (x2.T @ du2).astype(w_up.dtype),
+            (h.reshape(-1, h.shape[-1]).T @ dy2).astype(w_down.dtype))
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
