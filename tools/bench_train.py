@@ -29,7 +29,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ptrain.runtime import reexec_with_malloc_tuning, tune_xla_cpu
-from ptrain.config import ModelConfig, OptimConfig, SFTAlgoConfig
+from ptrain.config import ModelConfig, OptimConfig, SFTAlgoConfig, TrainConfig
 from ptrain.models import Decoder, flops_per_token
 from ptrain.train.objectives import make_sft_objective, sft_denominator
 from ptrain.train.optim import make_optimizer
@@ -148,8 +148,8 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (a scan inside the step)")
     ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--vocab-chunk", type=int, default=0,
-                    help="train.vocab_chunk: 0 reads full logits, > 0 walks the vocabulary in chunks of this size")
+    ap.add_argument("--vocab-chunk", type=int, default=TrainConfig().vocab_chunk,
+                    help="train.vocab_chunk (default: the CLI's): 0 reads full logits, > 0 walks the vocabulary in chunks")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--remat", default="none")
     ap.add_argument("--warmup", type=int, default=2)
