@@ -21,7 +21,7 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ptrain.runtime import reexec_with_malloc_tuning, tune_xla_cpu
-from ptrain.config import DPOAlgoConfig, OptimConfig, TrainConfig  # noqa: E402
+from ptrain.config import DPOAlgoConfig, OptimConfig  # noqa: E402
 from ptrain.models import Decoder  # noqa: E402
 from ptrain.train.objectives import dpo_denominator, make_dpo_objective  # noqa: E402
 from ptrain.train.optim import make_optimizer  # noqa: E402
@@ -69,8 +69,6 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
     ap.add_argument("--precompute", action="store_true", help="reference log-probs given in the batch")
-    ap.add_argument("--vocab-chunk", type=int, default=TrainConfig().vocab_chunk,
-                    help="train.vocab_chunk (default: the CLI's; 0: full logits)")
     ap.set_defaults(steps=5)
     args = ap.parse_args(argv)
     tune_xla_cpu()  # the CLI's XLA:CPU settings (PTRAIN_XLA_CPU_TUNING=0 turns them off)
