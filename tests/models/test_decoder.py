@@ -159,6 +159,14 @@ def test_blocked_causal_attention_equals_the_full_masked_softmax(window):
     for name, g, w in zip("qkv", got, want):
         np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-5, err_msg=f"d{name}")
 
+    # bfloat16 compute: the same gradients within bfloat16 resolution, in bfloat16.
+    bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    got16 = jax.jit(lambda q, k, v: jax.vjp(lambda *a: causal_attend(*a, mask, window), q, k, v)[1](
+        dout.astype(jnp.bfloat16)))(*bf)
+    for name, g, w in zip("qkv", got16, want):
+        assert g.dtype == jnp.bfloat16, name
+        np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=5e-2, rtol=5e-2, err_msg=f"bf16 d{name}")
+
 
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
 def test_swiglu_backward_matches_autodiff(dtype, tol):
