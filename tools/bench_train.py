@@ -127,7 +127,8 @@ def bench(args) -> dict:
     fpt = flops_per_token(cfg, L)
     return {
         "params_M": round(sum(x.size for x in jax.tree.leaves(params)) / 1e6, 2),
-        "batch": f"{B}x{L}", "grad_accum": args.grad_accum, "vocab_chunk": args.vocab_chunk, "dtype": args.dtype, "compile_s": round(compile_s, 1),
+        "batch": f"{B}x{L}", "grad_accum": args.grad_accum, "vocab_chunk": args.vocab_chunk, "dtype": args.dtype,
+        "compile_s": round(compile_s, 1),
         "step_s_median": round(step_s, 3), "tokens_per_s": round(tokens_per_s, 1),
         "train_gflop_per_token": round(fpt / 1e9, 4),
         "achieved_gflops": round(tokens_per_s * fpt / 1e9, 1), "matmul_peak_gflops": round(peak / 1e9, 1),
@@ -149,7 +150,7 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (a scan inside the step)")
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--vocab-chunk", type=int, default=TrainConfig().vocab_chunk,
-                    help="train.vocab_chunk (default: the CLI's): 0 reads full logits, > 0 walks the vocabulary in chunks")
+                    help="train.vocab_chunk (default: the CLI's); 0 reads full logits")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--remat", default="none")
     ap.add_argument("--warmup", type=int, default=2)
