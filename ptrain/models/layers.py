@@ -193,11 +193,12 @@ def _blocked_attention_fwd(q, k, v, mask, window, chunk):
     over the scores fewer than softmax-then-matmul.
     """
     B, K, L, G, Dh = q.shape
+    k_t = jnp.swapaxes(k, -1, -2)  # [B, K, Dh, L]: every block's score dot reads plain rows
     outs, probs, sums = [], [], []
     for s, e, ks in _query_blocks(L, chunk, window):
         rows = (e - s) * G
         qb = q[:, :, s:e].reshape(B, K, rows, Dh)
-        sc = jnp.einsum("bkrd,bksd->bkrs", qb, k[:, :, ks:e], preferred_element_type=jnp.float32)
+        sc = jnp.einsum("bkrd,bkds->bkrs", qb, k_t[..., ks:e], preferred_element_type=jnp.float32)
         sc = sc.reshape(B, K, e - s, G, e - ks)
         sc = jnp.where(mask[:, None, s:e, None, ks:e], sc, _MASK_VALUE)
         p = jnp.exp(sc - jnp.max(sc, axis=-1, keepdims=True)).reshape(B, K, rows, e - ks)
@@ -213,26 +214,31 @@ def _blocked_attention_fwd(q, k, v, mask, window, chunk):
 def _blocked_attention_bwd(window, chunk, residuals, dout):
     """Per block, with dO' = dO / l (the softmax normalisation moved onto the small side):
     dV += p^T dO', dS = p * (dO' V^T - rowsum(dO' * O)), dQ = dS K, dK += dS^T Q.
-    Masked keys have p = 0, so dS needs no mask."""
+    Masked keys have p = 0, so dS needs no mask.
+
+    dK and dV are built transposed ([Dh, keys] per head): XLA:CPU runs a dot that contracts
+    the rows of both operands (p^T dO') at about half the speed of one whose small operand
+    is the transposed side (dO'^T p), and the final [Dh, L] -> [L, Dh] transpose is small."""
     q, k, v, out, probs, sums = residuals
     B, K, L, G, Dh = q.shape
     dq = []
-    dk = jnp.zeros(k.shape, jnp.float32)
-    dv = jnp.zeros(v.shape, jnp.float32)
+    dk_t = jnp.zeros((B, K, Dh, L), jnp.float32)
+    dv_t = jnp.zeros((B, K, Dh, L), jnp.float32)
     for (s, e, ks), p, l in zip(_query_blocks(L, chunk, window), probs, sums):
         rows = (e - s) * G
         do = dout[:, :, s:e].reshape(B, K, rows, Dh).astype(jnp.float32) / l
         delta = jnp.sum(do * out[:, :, s:e].reshape(B, K, rows, Dh).astype(jnp.float32), axis=-1, keepdims=True)
         do = do.astype(v.dtype)
-        dv = dv.at[:, :, ks:e].add(
-            jnp.einsum("bkrs,bkrd->bksd", p.astype(v.dtype), do, preferred_element_type=jnp.float32))
+        dv_t = dv_t.at[..., ks:e].add(
+            jnp.einsum("bkrd,bkrs->bkds", do, p.astype(v.dtype), preferred_element_type=jnp.float32))
         dp = jnp.einsum("bkrd,bksd->bkrs", do, v[:, :, ks:e], preferred_element_type=jnp.float32)
         ds = (p * (dp - delta)).astype(q.dtype)
         dq.append(jnp.einsum("bkrs,bksd->bkrd", ds, k[:, :, ks:e], preferred_element_type=jnp.float32)
                   .reshape(B, K, e - s, G, Dh))
         qb = q[:, :, s:e].reshape(B, K, rows, Dh)
-        dk = dk.at[:, :, ks:e].add(jnp.einsum("bkrs,bkrd->bksd", ds, qb, preferred_element_type=jnp.float32))
+        dk_t = dk_t.at[..., ks:e].add(jnp.einsum("bkrd,bkrs->bkds", qb, ds, preferred_element_type=jnp.float32))
     dq = jnp.concatenate(dq, axis=2).astype(q.dtype)
+    dk, dv = jnp.swapaxes(dk_t, -1, -2), jnp.swapaxes(dv_t, -1, -2)
     return dq, dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
