@@ -22,7 +22,8 @@ import sys
 import time
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
-# The model and batch flags both benchmarks take, with bench_train.py's defaults.
+# The model and batch flags both benchmarks take: the model, and the warm-up and timed
+# steps used for every interleaved figure in docs/performance.md.
 SHAPE_FLAGS = {"layers": 8, "d-model": 512, "heads": 8, "kv-heads": 4, "head-dim": 64, "d-ff": 1536,
                "vocab": 4096, "batch": 8, "seq": 512, "warmup": 3, "steps": 5}
 
