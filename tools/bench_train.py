@@ -150,7 +150,8 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (a scan inside the step)")
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--vocab-chunk", type=int, default=TrainConfig().vocab_chunk,
-                    help="train.vocab_chunk (default: the CLI's); 0 reads full logits")
+                    help="train.vocab_chunk (default: the CLI's); 0 reads full logits, N > 0 walks the "
+                         "vocabulary N columns at a time")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--remat", default="none")
     ap.add_argument("--warmup", type=int, default=2)

@@ -22,9 +22,9 @@ import sys
 import time
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
-# The model and batch flags both benchmarks take: the model, and the warm-up and timed
+# The flags both benchmarks take: the model and batch, and the warm-up and timed
 # steps used for every interleaved figure in docs/performance.md.
-SHAPE_FLAGS = {"layers": 8, "d-model": 512, "heads": 8, "kv-heads": 4, "head-dim": 64, "d-ff": 1536,
+SHARED_FLAGS = {"layers": 8, "d-model": 512, "heads": 8, "kv-heads": 4, "head-dim": 64, "d-ff": 1536,
                "vocab": 4096, "batch": 8, "seq": 512, "warmup": 3, "steps": 5}
 
 
@@ -46,20 +46,20 @@ def main(argv=None) -> int:
     ap.add_argument("--grad-accum", type=int, nargs="+", default=[4],
                     help="micro-batch splits of ptrain's step to time in every round")
     ap.add_argument("--peak-n", type=int, default=4096, help="bench_train.py's matmul size for the MFU peak")
-    for name, default in SHAPE_FLAGS.items():
+    for name, default in SHARED_FLAGS.items():
         ap.add_argument(f"--{name}", type=int, default=default)
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
-    shape = [f for name in SHAPE_FLAGS for f in (f"--{name}", str(getattr(args, name.replace("-", "_"))))]
+    shared = [f for name in SHARED_FLAGS for f in (f"--{name}", str(getattr(args, name.replace("-", "_"))))]
     rounds = []
     for r in range(1, args.rounds + 1):
         row: dict = {"round": r, "started": time.strftime("%H:%M:%S")}
         for ga in args.grad_accum:
-            res = run_json([os.path.join(TOOLS, "bench_train.py"), *shape, "--grad-accum", str(ga),
+            res = run_json([os.path.join(TOOLS, "bench_train.py"), *shared, "--grad-accum", str(ga),
                             "--peak-n", str(args.peak_n)])
             row[f"ptrain_ga{ga}"] = {k: res[k] for k in ("step_s_median", "tokens_per_s", "mfu", "max_rss_gib") if k in res}
-        torch_res = run_json([os.path.join(TOOLS, "bench_train_torch.py"), *shape])
+        torch_res = run_json([os.path.join(TOOLS, "bench_train_torch.py"), *shared])
         row["torch"] = {k: torch_res[k] for k in ("step_s_median", "tokens_per_s")}
         for ga in args.grad_accum:
             row[f"ratio_ga{ga}"] = round(torch_res["step_s_median"] / row[f"ptrain_ga{ga}"]["step_s_median"], 3)
