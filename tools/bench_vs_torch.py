@@ -2,6 +2,7 @@
 
     python tools/bench_vs_torch.py                       # 6 rounds, 4 micro-batches, the issue's model
     python tools/bench_vs_torch.py --rounds 3 --grad-accum 4 2
+    python tools/bench_vs_torch.py --untuned           # also each split with PTRAIN_XLA_CPU_TUNING=0
 
 This machine's speed drifts by 10-30% within minutes (docs/performance.md), so a ratio is
 only worth something between runs taken in the same minutes, and one pair says little. Each
@@ -28,11 +29,12 @@ SHARED_FLAGS = {"layers": 8, "d-model": 512, "heads": 8, "kv-heads": 4, "head-di
                "vocab": 4096, "batch": 8, "seq": 512, "warmup": 3, "steps": 5}
 
 
-def run_json(argv: list[str]) -> dict:
+def run_json(argv: list[str], extra_env: dict | None = None) -> dict:
     """Run one benchmark in a fresh process and return the JSON object it prints."""
     # Each benchmark restarts itself with its own malloc setting; a tunable inherited from
     # this process would override that choice for one side only.
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    env.update(extra_env or {})
     out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise SystemExit(f"{' '.join(argv)} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
@@ -46,29 +48,36 @@ def main(argv=None) -> int:
     ap.add_argument("--grad-accum", type=int, nargs="+", default=[4],
                     help="micro-batch splits of ptrain's step to time in every round")
     ap.add_argument("--peak-n", type=int, default=4096, help="bench_train.py's matmul size for the MFU peak")
+    ap.add_argument("--untuned", action="store_true",
+                    help="also time each split without ptrain's XLA:CPU flag (PTRAIN_XLA_CPU_TUNING=0), "
+                         "reported as gaN_untuned: the flag's worth on this CPU, in the same rounds")
     for name, default in SHARED_FLAGS.items():
         ap.add_argument(f"--{name}", type=int, default=default)
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
     shared = [f for name in SHARED_FLAGS for f in (f"--{name}", str(getattr(args, name.replace("-", "_"))))]
+    # (label, extra environment) of each ptrain run in a round.
+    runs = [(f"ga{ga}", ga, {}) for ga in args.grad_accum]
+    if args.untuned:
+        runs += [(f"ga{ga}_untuned", ga, {"PTRAIN_XLA_CPU_TUNING": "0"}) for ga in args.grad_accum]
     rounds = []
     for r in range(1, args.rounds + 1):
         row: dict = {"round": r, "started": time.strftime("%H:%M:%S")}
-        for ga in args.grad_accum:
+        for label, ga, extra_env in runs:
             res = run_json([os.path.join(TOOLS, "bench_train.py"), *shared, "--grad-accum", str(ga),
-                            "--peak-n", str(args.peak_n)])
-            row[f"ptrain_ga{ga}"] = {k: res[k] for k in ("step_s_median", "tokens_per_s", "mfu", "max_rss_gib") if k in res}
+                            "--peak-n", str(args.peak_n)], extra_env)
+            row[f"ptrain_{label}"] = {k: res[k] for k in ("step_s_median", "tokens_per_s", "mfu", "max_rss_gib") if k in res}
         torch_res = run_json([os.path.join(TOOLS, "bench_train_torch.py"), *shared])
         row["torch"] = {k: torch_res[k] for k in ("step_s_median", "tokens_per_s")}
-        for ga in args.grad_accum:
-            row[f"ratio_ga{ga}"] = round(torch_res["step_s_median"] / row[f"ptrain_ga{ga}"]["step_s_median"], 3)
+        for label, _, _ in runs:
+            row[f"ratio_{label}"] = round(torch_res["step_s_median"] / row[f"ptrain_{label}"]["step_s_median"], 3)
         rounds.append(row)
-        cells = "  ".join(f"ga{ga} {row[f'ptrain_ga{ga}']['step_s_median']:.3f} s ({row[f'ratio_ga{ga}']:.2f}x)"
-                          for ga in args.grad_accum)
+        cells = "  ".join(f"{label} {row[f'ptrain_{label}']['step_s_median']:.3f} s ({row[f'ratio_{label}']:.2f}x)"
+                          for label, _, _ in runs)
         print(f"round {r} ({row['started']}): {cells}  torch {torch_res['step_s_median']:.3f} s", flush=True)
-    summary = {f"median_ratio_ga{ga}": round(statistics.median(row[f"ratio_ga{ga}"] for row in rounds), 3)
-               for ga in args.grad_accum}
+    summary = {f"median_ratio_{label}": round(statistics.median(row[f"ratio_{label}"] for row in rounds), 3)
+               for label, _, _ in runs}
     print(json.dumps({**summary, "rounds": rounds}))
     return 0
 
