@@ -40,10 +40,9 @@ def _run(cfg: DictConfig) -> dict:
             run.run_dir = HydraConfig.get().runtime.output_dir  # one folder per sweep job
     except ValueError:  # not under Hydra (tests call _run directly)
         pass
-    # Before any JAX backend starts. Dense models only: the flag slows the MoE layer's
-    # grouped matmuls (tools/bench_moe.py, docs/performance.md).
-    if not run.model.is_moe:
-        tune_xla_cpu()
+    # Before any JAX backend starts; it adds nothing for MoE or bfloat16 models, which the
+    # flag slows (ptrain/runtime.py, docs/performance.md).
+    tune_xla_cpu(compute_dtype=run.model.dtype, moe=run.model.is_moe)
     from ptrain.pipeline import run_pipeline  # jax imports only after the config is known good
 
     return run_pipeline(run)

@@ -10,9 +10,11 @@ those strided loops took 1.4 s of a 10 s train step of the 8-layer benchmark mod
 Routing elementwise fusions to YNNPACK and dots to the default library instead measured
 8.1-9.1 s against 10.0-10.5 s for the same step, with the same loss to 7 digits
 (docs/performance.md). The same flag slows the MoE layer's tiled grouped matmuls (536 ->
-654 ms at 16 experts, tools/bench_moe.py), so the CLI sets it for dense models only. Set
-PTRAIN_XLA_CPU_TUNING=0 to turn it off; a `ynn_fusion_type` already in XLA_FLAGS is left
-alone.
+654 ms at 16 experts, tools/bench_moe.py) and bfloat16 compute: it moves bfloat16 dots off
+YNNPACK's bf16 kernels (a 4096^2 bf16 matmul with float32 output, 338 against 74 GFLOP/s on
+an AVX-512-bf16 CPU), and the bfloat16 SFT bench step ran 4.75-4.88 s with it against
+4.51-4.54 s without. So it is set for dense float32 models only. Set PTRAIN_XLA_CPU_TUNING=0
+to turn it off; a `ynn_fusion_type` already in XLA_FLAGS is left alone.
 
 Why the malloc setting: XLA:CPU allocates each execution's temporary buffers in one block
 (308 MB for the 16-expert MoE layer step), which glibc serves with a fresh mmap and
@@ -67,9 +69,12 @@ def _jaxlib_version() -> tuple[int, ...]:
     return tuple(parts)
 
 
-def tune_xla_cpu(environ: MutableMapping[str, str] = os.environ, jaxlib_version: tuple[int, ...] | None = None) -> list[str]:
-    """Add the CPU flags to `environ["XLA_FLAGS"]`; returns the flags it added."""
-    if environ.get("PTRAIN_XLA_CPU_TUNING", "1") == "0":
+def tune_xla_cpu(environ: MutableMapping[str, str] = os.environ, jaxlib_version: tuple[int, ...] | None = None,
+                 *, compute_dtype: str = "float32", moe: bool = False) -> list[str]:
+    """Add the CPU flags to `environ["XLA_FLAGS"]` for a model that computes in
+    `compute_dtype` (a config dtype name) and is or is not MoE; returns the flags it added.
+    The flags are measured to pay only for dense float32 models (module docstring)."""
+    if environ.get("PTRAIN_XLA_CPU_TUNING", "1") == "0" or moe or compute_dtype != "float32":
         return []
     current = environ.get("XLA_FLAGS", "")
     if "ynn_fusion_type" in current:

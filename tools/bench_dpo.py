@@ -71,7 +71,7 @@ def main(argv=None):
     ap.add_argument("--precompute", action="store_true", help="reference log-probs given in the batch")
     ap.set_defaults(steps=5)
     args = ap.parse_args(argv)
-    tune_xla_cpu()  # the CLI's XLA:CPU settings (PTRAIN_XLA_CPU_TUNING=0 turns them off)
+    tune_xla_cpu(compute_dtype=args.dtype)  # as the CLI does (PTRAIN_XLA_CPU_TUNING=0 turns it off)
     print(json.dumps(dict(bench(args), xla_flags=os.environ.get("XLA_FLAGS", "")), indent=2))
 
 

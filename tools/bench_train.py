@@ -168,7 +168,7 @@ def main(argv=None):
     if args.peak_only:
         print(matmul_peak(args.peak_n))
         return
-    tune_xla_cpu()  # the CLI's XLA:CPU settings (PTRAIN_XLA_CPU_TUNING=0 turns them off)
+    tune_xla_cpu(compute_dtype=args.dtype)  # as the CLI does (PTRAIN_XLA_CPU_TUNING=0 turns it off)
     print(json.dumps(dict(bench(args), xla_flags=os.environ.get("XLA_FLAGS", "")), indent=2))
 
 

@@ -21,16 +21,18 @@ def test_flags_are_appended_to_what_the_user_set():
     assert tune_xla_cpu(env, TESTED) == []  # idempotent: a second call adds nothing
 
 
-@pytest.mark.parametrize("env, version", [
-    ({"PTRAIN_XLA_CPU_TUNING": "0"}, TESTED),                                     # turned off
-    ({"XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type=dot"}, TESTED),        # the user chose
-    ({}, (0, 10, 1)),                                                             # older jaxlib
-    ({}, TUNED_JAXLIB[1]),                                                        # newer jaxlib
-    ({}, ()),                                                                     # no jaxlib
+@pytest.mark.parametrize("env, version, model", [
+    ({"PTRAIN_XLA_CPU_TUNING": "0"}, TESTED, {}),                                 # turned off
+    ({"XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type=dot"}, TESTED, {}),    # the user chose
+    ({}, (0, 10, 1), {}),                                                         # older jaxlib
+    ({}, TUNED_JAXLIB[1], {}),                                                    # newer jaxlib
+    ({}, (), {}),                                                                 # no jaxlib
+    ({}, TESTED, {"moe": True}),                                # slows the grouped matmuls
+    ({}, TESTED, {"compute_dtype": "bfloat16"}),                # slows bf16 dots
 ])
-def test_flags_are_left_out(env, version):
+def test_flags_are_left_out(env, version, model):
     before = dict(env)
-    assert tune_xla_cpu(env, version) == []
+    assert tune_xla_cpu(env, version, **model) == []
     assert env == before
 
 
