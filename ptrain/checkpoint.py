@@ -39,6 +39,9 @@ class StageCheckpointer:
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_names=("state", "data", "meta"))
+        # Steps that `restore_latest` could not read. They stay on disk, untouched, until
+        # the resumed run saves the same step again (`save` then renames the old one).
+        self.unreadable: set[int] = set()
 
     def should_save(self, step: int, last_step: int) -> bool:
         every = self.cfg.every_steps
@@ -46,6 +49,8 @@ class StageCheckpointer:
 
     def save(self, step: int, state, data_state: Any, meta: dict) -> None:
         """Start a (possibly asynchronous) save; the previous save is finished first."""
+        if step in self.unreadable:
+            self._set_aside(step)
         self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state),
             data=ocp.args.JsonSave(data_state),
@@ -57,6 +62,25 @@ class StageCheckpointer:
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
+
+    def _set_aside(self, step: int) -> None:
+        """Rename the unreadable checkpoint of `step` to `<step>.unreadable[.N]`, out of
+        Orbax's listing, so the resumed run can save that step again; nothing is deleted.
+        Done only when the run gets there, so a checkpoint that failed for another reason
+        (a changed model config, say) is left as it was if the run stops earlier."""
+        self.manager.wait_until_finished()
+        src = os.path.join(self.directory, str(step))
+        if not os.path.isdir(src):
+            raise CheckpointError(
+                f"checkpoint {src} could not be read earlier and is now missing or renamed; "
+                "check the folder, or delete it to restart the stage")
+        dst, n = src + ".unreadable", 1
+        while os.path.exists(dst):
+            dst, n = f"{src}.unreadable.{n}", n + 1
+        os.rename(src, dst)
+        self.manager.reload()
+        self.unreadable.discard(step)
+        log.warning("saving step %d again: the unreadable checkpoint of that step is kept as %s", step, dst)
 
     def restore_latest(self, abstract_state) -> Optional[tuple[int, Any, Any, dict]]:
         """Restore the newest checkpoint that reads back whole; None when there is none.
@@ -76,6 +100,7 @@ class StageCheckpointer:
             except Exception as e:  # Orbax raises many kinds here; any of them means unusable
                 log.error("checkpoint %s/%d is unreadable (%s: %s); falling back to the previous one",
                           self.directory, step, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                self.unreadable.add(step)
                 continue
             return step, restored["state"], restored["data"], restored["meta"]
         if steps:
@@ -111,9 +136,22 @@ def mark_done(stage_dir: str, summary: dict) -> None:
     tmp = done_path(stage_dir) + ".tmp"
     with open(tmp, "w") as f:
         json.dump(summary, f, indent=2, default=float)
+        f.flush()
+        os.fsync(f.fileno())  # a crash right after the rename must not leave an empty marker
     os.replace(tmp, done_path(stage_dir))
 
 
 def read_done(stage_dir: str) -> dict:
-    with open(done_path(stage_dir)) as f:
-        return json.load(f)
+    """The finished stage's summary; CheckpointError (with the fix) when the marker is damaged."""
+    path = done_path(stage_dir)
+    try:
+        with open(path) as f:
+            summary = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(
+            f"{path} marks the stage finished but cannot be read ({type(e).__name__}: {e}); delete it "
+            "and re-launch: the stage resumes from its last checkpoint and exports again") from e
+    if not isinstance(summary, dict):
+        raise CheckpointError(f"{path} holds {type(summary).__name__}, not the stage summary; delete it and "
+                              "re-launch: the stage resumes from its last checkpoint and exports again")
+    return summary

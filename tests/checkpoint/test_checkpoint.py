@@ -58,6 +58,24 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path, caplog):
     ckpt.close()
 
 
+def test_resumed_run_saves_over_an_unreadable_step_and_keeps_it_aside(tmp_path, caplog):
+    """After falling back past a corrupt step 2, training reaches step 2 again and saves it:
+    the corrupt one is renamed out of the way (not deleted) and the new one is the latest."""
+    ckpt = saved(tmp_path, [1, 2])
+    ckpt.close()
+    _corrupt(tmp_path / "ckpt" / "2")
+    ckpt = StageCheckpointer(str(tmp_path / "ckpt"), CheckpointConfig(keep=3, async_save=False))
+    assert ckpt.restore_latest(abstract_like(state_at(0)))[0] == 1
+    assert (tmp_path / "ckpt" / "2").is_dir()  # nothing moved before the run gets there
+    ckpt.save(2, state_at(5), {"epoch": 0}, {"step": 2})  # w = 5 tells the new save from the old
+    ckpt.wait()
+    assert ckpt.steps() == [1, 2] and (tmp_path / "ckpt" / "2.unreadable").is_dir()
+    step, state, _, _ = ckpt.restore_latest(abstract_like(state_at(0)))
+    assert step == 2 and float(state.params["w"][0, 0]) == 5.0
+    assert any("kept as" in r.message for r in caplog.records)
+    ckpt.close()
+
+
 def test_all_checkpoints_corrupt_is_a_clear_error(tmp_path):
     ckpt = saved(tmp_path, [1])
     ckpt.close()
@@ -75,3 +93,15 @@ def test_half_written_save_is_not_listed(tmp_path):
     ckpt = StageCheckpointer(str(tmp_path / "ckpt"), CheckpointConfig(keep=3))
     assert ckpt.steps() == [1]
     ckpt.close()
+
+
+@pytest.mark.parametrize("text", ["", "{\"loss\": 0.1", "[1, 2]"])
+def test_damaged_done_marker_is_a_clear_error(tmp_path, text):
+    """An empty, cut-off or wrong DONE.json names the file and says how to recover."""
+    from ptrain.checkpoint import mark_done, read_done
+
+    mark_done(str(tmp_path), {"loss": 0.1})
+    assert read_done(str(tmp_path)) == {"loss": 0.1}
+    (tmp_path / "DONE.json").write_text(text)
+    with pytest.raises(CheckpointError, match="DONE.json .*delete it and re-launch"):
+        read_done(str(tmp_path))
