@@ -125,6 +125,21 @@ def _ids(tokenizer, messages, **kw) -> list[int]:
     return list(out["input_ids"])
 
 
+def _generation_prefix_len(tokenizer, messages: list[dict[str, Any]], i: int) -> int:
+    """Tokens before the content of assistant turn i: the render of messages[:i] with a
+    generation prompt. An opening assistant turn has a prefix too (BOS, a default system
+    prompt, the assistant header), but transformers renders no empty conversation; there it
+    is what the turn's render shares with the render of the same turn left empty."""
+    if i:
+        return len(_ids(tokenizer, messages[:i], add_generation_prompt=True))
+    try:
+        full = _ids(tokenizer, messages[:1])
+        empty = _ids(tokenizer, [dict(messages[0], content="")])
+    except Exception:  # noqa: BLE001 - a template that rejects an empty turn: mask from the start
+        return 0
+    return next((k for k, (a, b) in enumerate(zip(full, empty)) if a != b), min(len(full), len(empty)))
+
+
 def tokenize_conversation(tokenizer, messages: list[dict[str, Any]], n_prompt: int = 0
                           ) -> tuple[np.ndarray, np.ndarray]:
     """Token ids [N] int32 and loss mask [N] int8 (1 on assistant tokens after the first n_prompt turns)."""
@@ -140,7 +155,7 @@ def tokenize_conversation(tokenizer, messages: list[dict[str, Any]], n_prompt: i
         mask = np.zeros(len(ids), np.int8)
         for i, m in enumerate(messages):
             if m["role"] == "assistant":
-                start = len(_ids(tokenizer, messages[:i], add_generation_prompt=True)) if i else 0
+                start = _generation_prefix_len(tokenizer, messages, i)
                 end = len(_ids(tokenizer, messages[: i + 1]))
                 # The render of a finished turn ends with the template's separator (ChatML:
                 # "\n" after <|im_end|>); that is formatting, not something to learn.
@@ -255,6 +270,25 @@ def _where(source, index: int) -> str:
     return source.where(index) if hasattr(source, "where") else f"row {index}"
 
 
+def _tokenize_chunk(parsed: dict[int, Any], tokenize: Callable[[list], list],
+                    problems: dict[int, RowProblem]) -> dict[int, Any]:
+    """Tokenise a chunk's parsed rows in one call; if that raises (a chat template's
+    `raise_exception`, say, for roles that do not alternate), row by row, so that only the
+    rows the template rejects become problems, each with the template's message."""
+    try:
+        return dict(zip(parsed, tokenize(list(parsed.values()))))
+    except Exception:  # noqa: BLE001 - templates raise jinja2 errors, tokenizers their own
+        pass
+    out = {}
+    for i, row in parsed.items():
+        try:
+            out[i] = tokenize([row])[0]
+        except Exception as e:  # noqa: BLE001
+            problems[i] = RowProblem(R.TEMPLATE_ERROR, f"the tokenizer's chat template rejected it "
+                                     f"({type(e).__name__}: {e}); fix the row or use a template that accepts it")
+    return out
+
+
 def tokenize_pass(source, *, parse: Callable[[dict], Any], tokenize: Callable[[list], list],
                   check: Callable[[Any], tuple[Any, bool]], report: BadRowReport, max_bad_fraction: float
                   ) -> tuple[list[Any], list[int]]:
@@ -278,7 +312,7 @@ def tokenize_pass(source, *, parse: Callable[[dict], Any], tokenize: Callable[[l
                 parsed[i] = parse(row)
             except RowProblem as p:
                 problems[i] = p
-        tokenised = dict(zip(parsed, tokenize(list(parsed.values()))))
+        tokenised = _tokenize_chunk(parsed, tokenize, problems)
         for i in range(lo, hi):
             report.total += 1
             try:

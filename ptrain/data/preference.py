@@ -101,6 +101,10 @@ def tokenize_preference_rows(source, tokenizer, *, seq_len: int, truncate: bool,
             ids, mask, was_cut = fit_length(ids, mask, seq_len + 1, truncate)
             out.append((ids, mask))
             cut = cut or was_cut
+        (c_ids, c_mask), (r_ids, r_mask) = out
+        if cut and np.array_equal(c_ids, r_ids) and np.array_equal(c_mask, r_mask):
+            raise RowProblem(R.IDENTICAL_PAIR, f"chosen and rejected differ only past data.seq_len={seq_len} "
+                                               "tokens, so truncation made them identical; raise seq_len or drop the pair")
         return tuple(out), cut
 
     rep = BadRowReport(source=name or repr(source), policy=bad_rows, keep_rows=report_rows)

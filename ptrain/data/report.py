@@ -21,8 +21,9 @@ TOO_LONG = "too_long"
 NO_TARGET = "no_target_after_truncation"
 EMPTY_COMPLETION = "empty_completion"
 IDENTICAL_PAIR = "identical_pair"
+TEMPLATE_ERROR = "template_error"  # the tokenizer's chat template rejected the row (raise_exception)
 REASONS = (INVALID_JSON, MISSING_FIELD, WRONG_TYPE, UNKNOWN_ROLE, EMPTY_ASSISTANT, TOO_LONG, NO_TARGET,
-           EMPTY_COMPLETION, IDENTICAL_PAIR)
+           EMPTY_COMPLETION, IDENTICAL_PAIR, TEMPLATE_ERROR)
 
 
 class BadRowError(ValueError):

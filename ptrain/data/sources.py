@@ -153,7 +153,11 @@ def _read_table(path: str, kind: str):
     try:  # `datasets` writes the streaming format; feather v2 / `pa.ipc.new_file` the file format
         return pa.ipc.open_stream(pa.memory_map(path)).read_all()
     except pa.ArrowInvalid:
-        return pa.ipc.open_file(pa.memory_map(path)).read_all()
+        try:
+            return pa.ipc.open_file(pa.memory_map(path)).read_all()
+        except pa.ArrowInvalid as e:
+            raise ValueError(f"{path} is neither an Arrow stream nor an Arrow file ({e}); pass a valid .arrow "
+                             "file (as `datasets` or pyarrow.ipc write them), or a .parquet or .jsonl file") from None
 
 
 class ListSource:

@@ -97,6 +97,28 @@ def test_truncation_on_cuts_and_off_rejects(tokenizer, tmp_path):
     assert rep.rows == {R.TOO_LONG: [1, 2]} and rep.truncated == 0
 
 
+def test_a_row_the_chat_template_rejects_is_counted_not_fatal(tok_dir, tmp_path):
+    """Templates that raise_exception (Llama 2, Mistral, Gemma: roles must alternate) reject one
+    row; the rest of its chunk still tokenises and the row is reported with its number."""
+    from ptrain.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tok_dir)
+    guard = ("{%- for message in messages %}{%- if message['role'] == 'user' and loop.index0 % 2 == 1 %}"
+             "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+             "{%- endif %}{%- endfor %}")
+    tok.chat_template = guard + tok.chat_template
+    two_users = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+                              {"role": "assistant", "content": "c"}]}
+    path = tmp_path / "alt.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in (GOOD, two_users, GOOD, GOOD)) + "\n")
+    rows, rep = tokenize_sft_rows(JsonlSource(str(path)), tok, fmt="auto", seq_len=64, truncate=True,
+                                  max_bad_fraction=0.5)
+    assert len(rows) == 3 and rep.rows == {R.TEMPLATE_ERROR: [1]}
+    assert "roles must alternate" in rep.summary()
+    with pytest.raises(BadRowError, match="row 1.*template_error"):
+        tokenize_sft_rows(JsonlSource(str(path)), tok, fmt="auto", seq_len=64, truncate=True, bad_rows="fail")
+
+
 def test_report_keeps_only_the_first_rows(tokenizer, tmp_path):
     path = tmp_path / "many.jsonl"
     path.write_text("\n".join(["{bad"] * 30 + [json.dumps(GOOD)] * 30) + "\n")

@@ -83,6 +83,20 @@ def test_bad_pairs_are_counted(tokenizer, tmp_path):
         tokenize_preference_rows(JsonlSource(str(path)), tokenizer, seq_len=64, truncate=False, bad_rows="fail")
 
 
+def test_pair_made_identical_by_truncation_is_counted(tokenizer, tmp_path):
+    """Chosen and rejected that differ only past seq_len tokenise to the same truncated
+    sequence: no preference is left, so the pair is reported, not trained on."""
+    shared = "step " * 40
+    rows = [{"prompt": "q", "chosen": shared + "Answer: 2", "rejected": shared + "Answer: 3"},
+            {"prompt": "What is 1 + 1?", "chosen": "Answer: 2", "rejected": "Answer: 3"}]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    pairs, rep = tokenize_preference_rows(JsonlSource(str(path)), tokenizer, seq_len=32, truncate=True,
+                                          max_bad_fraction=1.0)
+    assert len(pairs) == 1 and rep.rows == {R.IDENTICAL_PAIR: [0]}
+    assert "seq_len=32" in rep.summary()
+
+
 def test_resume_is_exact(tokenizer, make_cfg):
     cfg = _pref_cfg(make_cfg)
     reference = [next(it) for it in [make_preference_iterator(cfg, tokenizer, batch_size=B, seq_len=L, seed=4)]

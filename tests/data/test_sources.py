@@ -92,6 +92,13 @@ def test_missing_file_errors_name_the_path(tmp_path):
         ParquetSource(str(tmp_path / "nope.parquet"))
 
 
+def test_corrupt_arrow_file_error_names_the_file(tmp_path):
+    path = tmp_path / "data-00000-of-00001.arrow"
+    path.write_bytes(b"not arrow at all" * 8)
+    with pytest.raises(ValueError, match="data-00000-of-00001.arrow is neither an Arrow stream nor an Arrow file"):
+        open_source(str(path))[0]
+
+
 def test_list_source():
     src = ListSource(ROWS[:3], name="mem")
     assert len(src) == 3 and src[2] == ROWS[2] and src.where(1) == "mem row 1"

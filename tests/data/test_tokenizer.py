@@ -91,6 +91,19 @@ def test_prefix_fallback_equals_generation_tags(tokenizer, tok_dir, tmp_path):
     np.testing.assert_array_equal(mask_a, mask_b)
 
 
+def test_prefix_fallback_masks_no_header_when_the_assistant_speaks_first(tokenizer, tok_dir):
+    """Without generation tags, an opening assistant turn is masked from its content on, as
+    with them: the `<|im_start|>assistant` header before it is formatting, not a target."""
+    tok = load_tokenizer(tok_dir)
+    tok.chat_template = tok.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    conv = [{"role": "assistant", "content": "Hello there"}] + CONV
+    ids_a, mask_a = tokenize_conversation(tokenizer, conv)
+    ids_b, mask_b = tokenize_conversation(tok, conv)
+    np.testing.assert_array_equal(ids_a, ids_b)
+    np.testing.assert_array_equal(mask_a, mask_b)
+    assert mask_b[0] == 0
+
+
 def test_saved_files_use_names_transformers_4_understands(tok_dir):
     """transformers 4.x (SGLang's pin) rejects tokenizer_class TokenizersBackend and a list-valued
     extra_special_tokens; the saved config uses the classic names (checked to load in 4.57)."""
