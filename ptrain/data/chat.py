@@ -266,7 +266,7 @@ class TokenizedRows:
 _CHUNK = 512  # rows validated and tokenised together
 
 
-def _where(source, index: int) -> str:
+def row_location(source, index: int) -> str:
     return source.where(index) if hasattr(source, "where") else f"row {index}"
 
 
@@ -320,7 +320,7 @@ def tokenize_pass(source, *, parse: Callable[[dict], Any], tokenize: Callable[[l
                     raise problems[i]
                 example, cut = check(tokenised[i])
             except RowProblem as p:
-                report.add(p.reason, i, _where(source, i), p.problem)
+                report.add(p.reason, i, row_location(source, i), p.problem)
                 continue
             report.good += 1
             report.truncated += int(cut)

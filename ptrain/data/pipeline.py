@@ -32,9 +32,11 @@ import numpy as np
 
 from ptrain.config.data import DataConfig
 from ptrain.data import tasks
-from ptrain.data.chat import RowProblem, TokenizedRows, prompt_ids, sft_conversation, tokenize_sft_rows
+from ptrain.data import report as R
+from ptrain.data.chat import (RowProblem, TokenizedRows, prompt_ids, row_location, sft_conversation,
+                              tokenize_sft_rows)
 from ptrain.data.report import BadRowReport
-from ptrain.data.sources import TABLE_EXTENSIONS, ListSource, open_source, table_files
+from ptrain.data.sources import TABLE_EXTENSIONS, ListSource, RowDecodeError, open_source, table_files
 
 SPLITS = ("train", "eval")
 CONTRACT_KEYS = ("input_ids", "target_ids", "loss_mask", "segment_ids", "positions")
@@ -344,11 +346,13 @@ class EvalPrompt:
     """Row index in the source."""
 
 
-def make_eval_prompts(cfg: DataConfig, tokenizer, *, split: str = "eval", limit: Optional[int] = None
-                      ) -> list[EvalPrompt]:
+def make_eval_prompts(cfg: DataConfig, tokenizer, *, split: str = "eval", limit: Optional[int] = None,
+                      report: Optional[BadRowReport] = None) -> list[EvalPrompt]:
     """Prompts of a split: every turn before the last assistant turn, with its task metadata.
 
-    Rows that are bad for SFT are skipped here (the SFT report already counts them).
+    Rows that are bad for SFT are skipped; with `report` each one is counted there with its
+    row number (and `bad_rows=fail` raises at the first), otherwise the SFT stage's own
+    report of the same file counts them.
     """
     from ptrain.data.preference import preference_conversations  # preference imports this module
 
@@ -358,7 +362,10 @@ def make_eval_prompts(cfg: DataConfig, tokenizer, *, split: str = "eval", limit:
         if limit is not None and len(out) >= limit:
             break
         try:
-            row = source[i]
+            try:
+                row = source[i]
+            except RowDecodeError as e:
+                raise RowProblem(R.INVALID_JSON, str(e)) from None
             if cfg.format == "preference" or "chosen" in row:
                 prompt, chosen, _ = preference_conversations(row)
                 reference = chosen[-1]["content"]
@@ -366,8 +373,14 @@ def make_eval_prompts(cfg: DataConfig, tokenizer, *, split: str = "eval", limit:
                 messages, _ = sft_conversation(row, cfg.format)
                 last = max(j for j, m in enumerate(messages) if m["role"] == "assistant")
                 prompt, reference = messages[:last], messages[last]["content"]
-        except (RowProblem, ValueError):
+        except RowProblem as p:
+            if report is not None:
+                report.total += 1
+                report.add(p.reason, i, row_location(source, i), p.problem)
             continue
+        if report is not None:
+            report.total += 1
+            report.good += 1
         task = row.get("task") if isinstance(row.get("task"), dict) else None
         if task is None and tasks.extract_answer(reference) is not None:
             task = {"answer": tasks.extract_answer(reference)}
@@ -389,12 +402,13 @@ def make_prompt_iterator(cfg: DataConfig, tokenizer, *, batch_size: int, seed: O
     Seeded shuffle and cfg.num_epochs passes over the split's prompts, full batches only,
     exact get_state/set_state like the SFT iterator. `.report` is the SFT report of the split.
     """
-    prompts = make_eval_prompts(cfg, tokenizer, split=split)
+    rep = BadRowReport(source=f"{split} prompts", policy=cfg.bad_rows, keep_rows=cfg.report_rows)
+    prompts = make_eval_prompts(cfg, tokenizer, split=split, report=rep)
+    rep.finish(cfg.max_bad_fraction)
     seed = cfg.shuffle_seed if seed is None else seed
     ds, n = _examples_dataset(prompts, seed=seed, shuffle=cfg.shuffle, num_epochs=cfg.num_epochs,
                               shard_index=shard_index, shard_count=shard_count)
     it_ds = ds.to_iter_dataset(_READ).batch(batch_size, drop_remainder=True, batch_fn=_PromptList())
-    rep = BadRowReport(source=f"{split} prompts", total=n, good=n)
     return DataIterator(iter(_finish(it_ds, cfg.num_workers)), rep, n)
 
 

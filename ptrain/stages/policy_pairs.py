@@ -27,6 +27,7 @@ from typing import Any
 from ptrain.config import RunConfig
 from ptrain.data.pipeline import make_eval_prompts, open_split
 from ptrain.data.preference import preference_conversations
+from ptrain.data.report import BadRowReport
 from ptrain.data.tasks import check_answer, write_jsonl
 from ptrain.stages.evaluation import complete
 
@@ -110,7 +111,12 @@ def policy_pairs_data(run: RunConfig, stage_dir: str, placed, params, model_stat
         return dataclasses.replace(data_cfg, source="jsonl", train_path=path)
 
     t0 = time.time()
-    prompts = [p for p in make_eval_prompts(data_cfg, tokenizer, split="train", limit=settings["prompts"]) if p.task]
+    report = BadRowReport(source=f"{data_cfg.train_path or 'the training data'} (policy_pairs prompts)",
+                          policy=data_cfg.bad_rows, keep_rows=data_cfg.report_rows)
+    prompts = [p for p in make_eval_prompts(data_cfg, tokenizer, split="train", limit=settings["prompts"],
+                                            report=report) if p.task]
+    if report.bad:
+        print(f"ptrain: {report.summary()}", flush=True)
     if not prompts:
         raise ValueError("algo.dpo.policy_pairs > 0 needs training rows with task metadata (a verifier to grade "
                          "the samples); these rows have none: set algo.dpo.policy_pairs=0 to use their own pairs")
@@ -126,6 +132,7 @@ def policy_pairs_data(run: RunConfig, stage_dir: str, placed, params, model_stat
                          "algo.dpo.policy_temperature or algo.dpo.policy_pairs, or set it to 0")
     write_jsonl(pairs, path)
     counts["seconds"] = round(time.time() - t0, 1)
+    counts["bad_prompt_rows"] = report.bad
     tmp = f"{meta_path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump({"settings": settings, "counts": counts}, f, indent=2)

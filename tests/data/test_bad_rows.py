@@ -140,6 +140,22 @@ def test_iterator_exposes_report_and_never_yields_bad_rows(bad_file, tokenizer, 
     assert any("What is 3 + 3?" in t for t in texts) and sum("What is 2 + 2?" in t for t in texts) == 2
 
 
+def test_rl_prompt_iterator_counts_bad_rows_under_the_policy(bad_file, tokenizer, make_cfg):
+    """The RL prompt iterator reports the rows it cannot turn into prompts, and applies
+    bad_rows and max_bad_fraction to them, as the SFT iterator does."""
+    from ptrain.data import make_prompt_iterator
+
+    cfg = make_cfg(source="jsonl", train_path=bad_file, max_bad_fraction=1.0)
+    rep = make_prompt_iterator(cfg, tokenizer, batch_size=2).report
+    assert rep.total == len(TABLE) and rep.good + rep.bad == len(TABLE)
+    assert rep.rows[R.INVALID_JSON] == [1] and rep.rows[R.UNKNOWN_ROLE] == [5]
+    with pytest.raises(BadRowError, match="more than"):
+        make_prompt_iterator(make_cfg(source="jsonl", train_path=bad_file, max_bad_fraction=0.1), tokenizer,
+                             batch_size=2)
+    with pytest.raises(BadRowError, match="row 1 .*invalid_json"):
+        make_prompt_iterator(make_cfg(source="jsonl", train_path=bad_file, bad_rows="fail"), tokenizer, batch_size=2)
+
+
 def test_stats_cli_reports_bad_rows_and_shows_the_trained_part(tmp_path, tok_dir, capsys):
     from ptrain.data.stats import main
 
