@@ -21,6 +21,7 @@ Typical use in a stage driver:
 from ptrain.data.chat import TokenizedRows, tokenize_conversation, tokenize_sft_rows
 from ptrain.data.pipeline import (
     CONTRACT_KEYS,
+    DataChangedError,
     DataIterator,
     EvalPrompt,
     batch_prompts,
@@ -43,7 +44,7 @@ from ptrain.data.tasks import check_answer, extract_answer
 from ptrain.data.tokenizer import build_tokenizer, get_tokenizer, load_tokenizer
 
 __all__ = [
-    "ArrowSource", "BadRowError", "BadRowReport", "CONTRACT_KEYS", "DataIterator", "EvalPrompt", "JsonlSource", "ListSource",
+    "ArrowSource", "BadRowError", "BadRowReport", "CONTRACT_KEYS", "DataChangedError", "DataIterator", "EvalPrompt", "JsonlSource", "ListSource",
     "ParquetSource", "TokenizedRows", "batch_prompts", "build_tokenizer", "check_answer", "clear_cache",
     "extract_answer", "get_tokenizer", "load_tokenizer", "make_eval_prompts", "make_preference_iterator",
     "make_preference_pass", "make_prompt_iterator", "make_sft_dataset", "make_sft_iterator", "open_source",

@@ -210,19 +210,53 @@ def _pad(x: np.ndarray, n: int) -> np.ndarray:
 # --------------------------------------------------------------------------- iterators
 
 
+class DataChangedError(ValueError):
+    """A checkpoint's data-iterator state was taken on other examples than the run has now."""
+
+
+def examples_fingerprint(examples) -> str:
+    """sha256 of tokenised examples (TokenizedRows, PreferencePairs or a list of EvalPrompt):
+    any change of a row, its tokens, its mask or their order changes it."""
+    h = hashlib.sha256()
+    parts = [examples.chosen, examples.rejected] if hasattr(examples, "chosen") else [examples]
+    for part in parts:
+        if isinstance(part, TokenizedRows):
+            for a in (part.offsets, part.tokens, part.mask, part.rows):
+                h.update(np.ascontiguousarray(a).tobytes())
+        else:
+            for p in part:
+                h.update(np.asarray(p.prompt_ids, np.int32).tobytes())
+                h.update(int(p.row).to_bytes(8, "little"))
+    return h.hexdigest()
+
+
 class DataIterator(grain.DatasetIterator):
     """A Grain iterator over batches that also tells the epoch and the bad-row report.
 
     `epoch` is the highest epoch among the examples of the last batch (packing can mix
     the last rows of one epoch with the first of the next). State is the parent's Grain
-    state, so it saves with `grain.checkpoint.CheckpointHandler` like any Grain iterator.
+    state plus the examples' count and fingerprint (`examples`), so that a resume on data
+    that changed since the checkpoint (rows added, removed or edited, another tokenizer or
+    seq_len), which would silently repeat some rows and skip others, stops with
+    `DataChangedError` instead. States without that entry (older checkpoints) load as before.
     """
 
-    def __init__(self, parent: grain.DatasetIterator, report: BadRowReport, n_examples: int):
+    STATE_KEY = "ptrain_examples"
+
+    def __init__(self, parent: grain.DatasetIterator, report: BadRowReport, n_examples: int, examples=None):
         super().__init__(parent)
         self.report = report
         self.n_examples = n_examples
         self.epoch = 0
+        self._examples = examples
+        self._fingerprint: Optional[str] = None
+
+    def _identity(self) -> Optional[dict[str, Any]]:
+        if self._examples is None:
+            return None
+        if self._fingerprint is None:  # hashed on the first save or resume only
+            self._fingerprint = examples_fingerprint(self._examples)
+        return {"count": self.n_examples, "fingerprint": self._fingerprint}
 
     def __next__(self) -> Any:
         batch = next(self._parent)
@@ -232,9 +266,21 @@ class DataIterator(grain.DatasetIterator):
         return batch
 
     def get_state(self) -> dict[str, Any]:
-        return self._parent.get_state()
+        state = dict(self._parent.get_state())
+        identity = self._identity()
+        if identity is not None:
+            state[self.STATE_KEY] = identity
+        return state
 
     def set_state(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        saved, now = state.pop(self.STATE_KEY, None), self._identity()
+        if saved is not None and now is not None and saved != now:
+            raise DataChangedError(
+                f"the training examples differ from those the checkpoint was taken on ({saved['count']} examples, "
+                f"fingerprint {saved['fingerprint'][:12]} then; {now['count']}, {now['fingerprint'][:12]} now): "
+                "resuming would repeat some rows and skip others. Restore the run's data files, tokenizer and "
+                "data/train settings, or start a new run_dir (stages[].init can start it from this stage's weights)")
         self._parent.set_state(state)
 
 
@@ -326,7 +372,8 @@ def make_sft_iterator(cfg: DataConfig, tokenizer, *, batch_size: int, seq_len: i
     """
     ds, rep, n = make_sft_dataset(cfg, tokenizer, batch_size=batch_size, seq_len=seq_len, seed=seed, split=split,
                                   shard_index=shard_index, shard_count=shard_count)
-    return DataIterator(iter(ds), rep, n)
+    examples, _ = sft_examples(cfg, tokenizer, seq_len=seq_len, split=split)  # cached: no second pass
+    return DataIterator(iter(ds), rep, n, examples)
 
 
 # --------------------------------------------------------------------------- evaluation prompts
@@ -409,7 +456,7 @@ def make_prompt_iterator(cfg: DataConfig, tokenizer, *, batch_size: int, seed: O
     ds, n = _examples_dataset(prompts, seed=seed, shuffle=cfg.shuffle, num_epochs=cfg.num_epochs,
                               shard_index=shard_index, shard_count=shard_count)
     it_ds = ds.to_iter_dataset(_READ).batch(batch_size, drop_remainder=True, batch_fn=_PromptList())
-    return DataIterator(iter(_finish(it_ds, cfg.num_workers)), rep, n)
+    return DataIterator(iter(_finish(it_ds, cfg.num_workers)), rep, n, prompts)
 
 
 def batch_prompts(prompts: list[EvalPrompt], batch_size: int, pad_id: int, *, pad_to: Optional[int] = None,

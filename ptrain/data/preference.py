@@ -180,7 +180,7 @@ def make_preference_iterator(cfg: DataConfig, tokenizer, *, batch_size: int, seq
     it_ds = it_ds.batch(batch_size, drop_remainder=train)
     if not train:
         it_ds = it_ds.map(_PadPairBatch(batch_size))
-    return DataIterator(iter(_finish(it_ds, cfg.num_workers)), rep, n)
+    return DataIterator(iter(_finish(it_ds, cfg.num_workers)), rep, n, pairs)
 
 
 def make_preference_pass(cfg: DataConfig, tokenizer, *, batch_size: int, seq_len: int, split: str = "train",

@@ -248,6 +248,36 @@ def test_worker_processes_are_deterministic_and_resume(tokenizer, make_cfg):
     _assert_same(a[3:], _collect(fresh, 3))
 
 
+def test_resume_on_changed_data_is_refused(tokenizer, make_cfg, tmp_path):
+    """A checkpointed iterator state restored onto other examples (a row appended or edited)
+    would repeat and skip rows silently; it raises, naming both counts. The same data resume,
+    and a state without the fingerprint (older checkpoints) still loads."""
+    import json
+
+    from ptrain.data import DataChangedError, clear_cache
+
+    rows = [{"messages": [{"role": "user", "content": f"What is {i} + 1?"},
+                          {"role": "assistant", "content": f"Answer: {i + 1}"}]} for i in range(12)]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = make_cfg(source="jsonl", train_path=str(path), packing=False)
+    it = make_sft_iterator(cfg, tokenizer, batch_size=2, seq_len=32, seed=1)
+    _collect(it, 3)
+    state = it.get_state()
+    assert state["ptrain_examples"]["count"] == 12
+    json.dumps(state)  # it travels in the checkpoint's JSON item
+    make_sft_iterator(cfg, tokenizer, batch_size=2, seq_len=32, seed=1).set_state(state)
+    for change in ("append", "edit"):
+        changed = rows + rows[:1] if change == "append" else [rows[1]] + rows[1:]
+        path.write_text("".join(json.dumps(r) + "\n" for r in changed))
+        clear_cache()
+        fresh = make_sft_iterator(cfg, tokenizer, batch_size=2, seq_len=32, seed=1)
+        with pytest.raises(DataChangedError, match="12 examples, fingerprint"):
+            fresh.set_state(state)
+        old = {k: v for k, v in state.items() if k != "ptrain_examples"}
+        fresh.set_state(old)
+
+
 def test_prompt_iterator_for_rl_shuffles_covers_and_resumes(tokenizer, make_cfg):
     from ptrain.data import make_prompt_iterator
 
