@@ -90,6 +90,7 @@ class StageCheckpointer:
         listed, since Orbax only finalises a step once all of it is on disk.
         """
         steps = self.steps()
+        first_error = ""
         for step in reversed(steps):
             try:
                 restored = self.manager.restore(step, args=ocp.args.Composite(
@@ -101,12 +102,16 @@ class StageCheckpointer:
                 log.error("checkpoint %s/%d is unreadable (%s: %s); falling back to the previous one",
                           self.directory, step, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
                 self.unreadable.add(step)
+                first_error = first_error or f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 continue
             return step, restored["state"], restored["data"], restored["meta"]
         if steps:
             raise CheckpointError(
-                f"none of the checkpoints {steps} in {self.directory} could be read; delete the folder to "
-                "restart the stage from its initial weights, or restore a backup")
+                f"none of the checkpoints {steps} in {self.directory} could be read (newest: {first_error[:300]}). "
+                "If the model, optimizer or mesh settings changed since they were written, re-launch with the "
+                "settings they were saved with (each checkpoint's meta/ holds its resolved config) or use a new "
+                "run_dir; if the files are damaged, restore a backup or delete the folder to restart the stage "
+                "from its initial weights")
         return None
 
     def close(self) -> None:
