@@ -180,12 +180,25 @@ class ListSource:
         return f"ListSource({self.name!r}, rows={len(self)})"
 
 
+def _saved_dataset_files(folder: str) -> list[str] | None:
+    """The shards a `datasets` save_to_disk folder lists in its state.json, in order; None when
+    there is no such list. Other .arrow files there (`cache-*.arrow` from a .map) are not rows
+    of the dataset."""
+    try:
+        with open(os.path.join(folder, "state.json")) as f:
+            names = [d["filename"] for d in json.load(f).get("_data_files", [])]
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+    return [os.path.join(folder, n) for n in names] or None
+
+
 def table_files(path: str, kind: str = "parquet") -> list[str]:
     """The files a path names: the file itself, every file of the kind in a folder, or a glob's matches."""
     if os.path.isfile(path):
         return [path]
     if os.path.isdir(path):
-        files = sorted(f for f in glob.glob(os.path.join(path, "*")) if f.endswith(TABLE_EXTENSIONS[kind]))
+        files = _saved_dataset_files(path) if kind == "arrow" else None
+        files = files or sorted(f for f in glob.glob(os.path.join(path, "*")) if f.endswith(TABLE_EXTENSIONS[kind]))
     else:
         files = sorted(f for f in glob.glob(path) if os.path.isfile(f))
     if not files:

@@ -145,8 +145,12 @@ def test_arrow_save_to_disk_folder(fmt, tmp_path):
         new = pa.ipc.new_stream if fmt == "stream" else pa.ipc.new_file
         with pa.OSFile(str(d / f"data-{k:05d}-of-00002.arrow"), "wb") as sink, new(sink, table.schema) as w:
             w.write_table(table)
-    (d / "state.json").write_text("{}")
+    listed = {"_data_files": [{"filename": f"data-{k:05d}-of-00002.arrow"} for k in range(2)]}
+    (d / "state.json").write_text(json.dumps(listed))
     (d / "dataset_info.json").write_text("{}")
+    stray = pa.Table.from_pylist(ROWS[:5])  # a .map cache next to the shards: not rows of the dataset
+    with pa.OSFile(str(d / "cache-0123abcd.arrow"), "wb") as sink, pa.ipc.new_stream(sink, stray.schema) as w:
+        w.write_table(stray)
     src = ArrowSource(str(d))
     assert len(src) == 300 and src[0] == ROWS[0] and src[150] == ROWS[150]
     assert open_source(str(d / "data-00001-of-00002.arrow"))[0] == ROWS[120]
