@@ -125,13 +125,25 @@ def _ids(tokenizer, messages, **kw) -> list[int]:
     return list(out["input_ids"])
 
 
-def _generation_prefix_len(tokenizer, messages: list[dict[str, Any]], i: int) -> int:
+def _prefix_ids(tokenizer, messages: list[dict[str, Any]], i: int, full: list[int], **kw) -> list[int]:
+    """The render of messages[:i], checked to be a prefix of `full`, the whole conversation's
+    render: masks from growing prefixes are only right for templates that render a turn the
+    same whatever follows it."""
+    prefix = _ids(tokenizer, messages[:i], **kw)
+    if full[:len(prefix)] != prefix:
+        raise RowProblem(R.TEMPLATE_ERROR, "the chat template renders earlier turns differently once later turns "
+                         "follow (Qwen3's drops past <think> blocks, for one), so the assistant tokens cannot be "
+                         "located; use a template that marks them with {% generation %}, or one turn per row")
+    return prefix
+
+
+def _generation_prefix_len(tokenizer, messages: list[dict[str, Any]], i: int, full: list[int]) -> int:
     """Tokens before the content of assistant turn i: the render of messages[:i] with a
     generation prompt. An opening assistant turn has a prefix too (BOS, a default system
     prompt, the assistant header), but transformers renders no empty conversation; there it
     is what the turn's render shares with the render of the same turn left empty."""
     if i:
-        return len(_ids(tokenizer, messages[:i], add_generation_prompt=True))
+        return len(_prefix_ids(tokenizer, messages, i, full, add_generation_prompt=True))
     try:
         full = _ids(tokenizer, messages[:1])
         empty = _ids(tokenizer, [dict(messages[0], content="")])
@@ -151,12 +163,13 @@ def tokenize_conversation(tokenizer, messages: list[dict[str, Any]], n_prompt: i
     else:
         # Mask by growing prefixes: assistant turn i spans the tokens between the render of
         # messages[:i] with a generation prompt and the render of messages[:i+1].
-        ids = np.asarray(_ids(tokenizer, messages), np.int32)
+        full = _ids(tokenizer, messages)
+        ids = np.asarray(full, np.int32)
         mask = np.zeros(len(ids), np.int8)
         for i, m in enumerate(messages):
             if m["role"] == "assistant":
-                start = _generation_prefix_len(tokenizer, messages, i)
-                end = len(_ids(tokenizer, messages[: i + 1]))
+                start = _generation_prefix_len(tokenizer, messages, i, full)
+                end = len(_prefix_ids(tokenizer, messages, i + 1, full))
                 # The render of a finished turn ends with the template's separator (ChatML:
                 # "\n" after <|im_end|>); that is formatting, not something to learn.
                 while end > start and not tokenizer.decode([int(ids[end - 1])]).strip():
@@ -283,6 +296,8 @@ def _tokenize_chunk(parsed: dict[int, Any], tokenize: Callable[[list], list],
     for i, row in parsed.items():
         try:
             out[i] = tokenize([row])[0]
+        except RowProblem as p:
+            problems[i] = p
         except Exception as e:  # noqa: BLE001
             problems[i] = RowProblem(R.TEMPLATE_ERROR, f"the tokenizer's chat template rejected it "
                                      f"({type(e).__name__}: {e}); fix the row or use a template that accepts it")

@@ -4,6 +4,7 @@ import filecmp
 import os
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from ptrain.data import build_tokenizer, load_tokenizer, tokenize_conversation
@@ -102,6 +103,23 @@ def test_prefix_fallback_masks_no_header_when_the_assistant_speaks_first(tokeniz
     np.testing.assert_array_equal(ids_a, ids_b)
     np.testing.assert_array_equal(mask_a, mask_b)
     assert mask_b[0] == 0
+
+
+def test_template_that_rewrites_earlier_turns_is_a_row_problem(tok_dir):
+    """Growing prefixes only locate assistant tokens when a turn renders the same whatever
+    follows; a template that shortens past assistant turns (as Qwen3's drops their <think>
+    blocks) is reported for the row instead of giving a shifted mask."""
+    from ptrain.data import report as R
+    from ptrain.data.chat import RowProblem
+
+    tok = load_tokenizer(tok_dir)
+    plain = tok.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    tok.chat_template = plain.replace("message['content'] + '<|im_end|>' }}{{- '\\n' }}",
+                                      "(message['content'] if loop.last else '...') + '<|im_end|>' }}{{- '\\n' }}")
+    assert tok.chat_template != plain
+    with pytest.raises(RowProblem) as err:
+        tokenize_conversation(tok, CONV)
+    assert err.value.reason == R.TEMPLATE_ERROR and "generation" in err.value.problem
 
 
 def test_saved_files_use_names_transformers_4_understands(tok_dir):
