@@ -58,10 +58,12 @@ class JsonlSink:
 
 
 class TensorBoardSink:
-    def __init__(self, logdir: str):
+    def __init__(self, logdir: str, purge_step: int | None = None):
         from tensorboardX import SummaryWriter
 
-        self._w = SummaryWriter(logdir)
+        # purge_step: TensorBoard hides earlier files' events at steps >= it, as the JSONL
+        # truncation drops them, so a resumed run's curves do not show lost steps twice.
+        self._w = SummaryWriter(logdir, purge_step=purge_step)
 
     def write(self, step: int, record: dict) -> None:
         for k, v in record.items():
@@ -104,11 +106,15 @@ class MetricsLogger:
 
     def __init__(self, cfg: LoggingConfig, stage_dir: str, *, total_steps: int, start_step: int, name: str):
         self.cfg = cfg
+        # Records past the restored step are a killed run's lost steps. A stage that starts
+        # over (step 0) logs its step-0 data and evaluation records again, so those go too.
+        keep_through = start_step if start_step > 0 else -1
         self.jsonl = JsonlSink(os.path.join(stage_dir, "metrics.jsonl")) if cfg.jsonl else None
-        self.tb = TensorBoardSink(os.path.join(stage_dir, "tensorboard")) if cfg.tensorboard else None
+        self.tb = (TensorBoardSink(os.path.join(stage_dir, "tensorboard"), purge_step=keep_through + 1)
+                   if cfg.tensorboard else None)
         self.console = ConsoleProgress(total_steps, start_step, name) if cfg.console else None
         if self.jsonl is not None:
-            self.jsonl.truncate_after(start_step)
+            self.jsonl.truncate_after(keep_through)
         self._t0 = time.time()
 
     def log(self, step: int, metrics: dict[str, Any], prefix: str = "train") -> dict:

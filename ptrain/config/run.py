@@ -126,10 +126,11 @@ def validate(run: RunConfig) -> None:
     for i, s in enumerate(run.stages):
         _check(s.kind in STAGE_KINDS, f"stages[{i}].kind",
                f"unknown stage kind '{s.kind}'; pass one of {', '.join(STAGE_KINDS)}")
-        _check(bool(s.name) and "/" not in s.name, f"stages[{i}].name", f"'{s.name}' must be a non-empty name without '/'")
+        _check(bool(s.name) and "/" not in s.name and s.name not in (".", ".."), f"stages[{i}].name",
+               f"'{s.name}' must be a non-empty folder name without '/' (and not '.' or '..')")
         if s.init not in ("previous", "base"):
-            _check(os.path.isdir(s.init), f"stages[{i}].init",
-                   f"'{s.init}' is neither 'previous', 'base' nor an existing Hugging Face folder")
+            _check(os.path.isfile(os.path.join(s.init, "config.json")), f"stages[{i}].init",
+                   f"'{s.init}' is neither 'previous', 'base' nor a Hugging Face folder with a config.json")
     for s in run.stages:
         stage_config(run, s)  # validates every stage's merged values
 
@@ -144,6 +145,7 @@ def _validate_values(run: RunConfig, where: str = "") -> None:
       f"{t.global_batch_size} is not divisible by train.grad_accum={t.grad_accum}")
     c(t.seq_len > 1, "train.seq_len", f"must be > 1, got {t.seq_len}")
     c(t.eval_every >= 0, "train.eval_every", f"must be >= 0, got {t.eval_every}")
+    c(run.logging.log_every >= 1, "logging.log_every", f"must be >= 1 (1: every step), got {run.logging.log_every}")
     c(t.vocab_chunk >= 0, "train.vocab_chunk", f"must be >= 0 (0: full logits), got {t.vocab_chunk}")
     c(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
     c(o.name in ("adamw", "adam", "sgd", "adafactor", "lion"), "optim.name",
@@ -171,6 +173,8 @@ def _validate_values(run: RunConfig, where: str = "") -> None:
     c(a.sft.aggregation in ("token_mean", "sequence_mean", "sum"), "algo.sft.aggregation",
       f"pass token_mean, sequence_mean or sum, got '{a.sft.aggregation}'")
     c(0 <= a.sft.label_smoothing < 1, "algo.sft.label_smoothing", f"must be in [0, 1), got {a.sft.label_smoothing}")
+    c(a.sft.norm_constant is None or a.sft.norm_constant >= 1, "algo.sft.norm_constant",
+      f"must be null (train.global_batch_size * train.seq_len) or a token count >= 1, got {a.sft.norm_constant}")
     c(a.dpo.kind in ("sigmoid", "ipo", "hinge", "robust", "dpo_norm", "simpo", "orpo", "rpo", "dpop"), "algo.dpo.kind",
       f"unknown preference loss '{a.dpo.kind}'; pass sigmoid, ipo, hinge, robust, dpo_norm, simpo, orpo, rpo or dpop")
     c(a.dpo.dpop_lambda >= 0, "algo.dpo.dpop_lambda", f"must be >= 0, got {a.dpo.dpop_lambda}")

@@ -65,6 +65,17 @@ def hf_family(cfg: ModelConfig) -> str:
 # --------------------------------------------------------------------------- config
 
 
+def _rope_scaling_to_hf(scaling: Optional[dict]) -> Optional[dict]:
+    """The scaling dict with its kind under `rope_type` (older configs wrote `type`; written as
+    `type` beside the default `rope_type`, a reader would see no scaling at all)."""
+    if not scaling:
+        return None
+    out = dict(scaling)
+    if "type" in out:
+        out.setdefault("rope_type", out.pop("type"))
+    return out
+
+
 def _rope_from_hf(hf: dict) -> tuple[float, Optional[dict]]:
     """(theta, scaling dict or None) from either transformers-5 `rope_parameters` or the
     older `rope_theta` + `rope_scaling` keys."""
@@ -106,6 +117,11 @@ def config_from_hf(hf: dict, **overrides: Any) -> ModelConfig:
     layer_types = hf.get("layer_types") or []
     if hf.get("use_sliding_window") or any(t != "full_attention" for t in layer_types):
         raise ValueError("per-layer sliding-window attention (use_sliding_window / layer_types) is not supported")
+    required = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size")
+    absent = [k for k in required if hf.get(k) is None]
+    if absent:
+        raise ValueError(f"config.json of model_type {mt!r} lacks {', '.join(absent)}; it is incomplete or not a "
+                         "decoder's config: copy or convert the model folder again")
     D, H = int(hf["hidden_size"]), int(hf["num_attention_heads"])
     theta, scaling = _rope_from_hf(hf)
     c: dict[str, Any] = dict(
@@ -184,8 +200,9 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": dict(cfg.rope_scaling) if cfg.rope_scaling else None,
-        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default", **(cfg.rope_scaling or {})},
+        "rope_scaling": _rope_scaling_to_hf(cfg.rope_scaling),
+        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default",
+                            **(_rope_scaling_to_hf(cfg.rope_scaling) or {})},
         "tie_word_embeddings": cfg.tie_embeddings,
         "initializer_range": cfg.init_std,
         "attention_dropout": 0.0,
@@ -331,6 +348,19 @@ def _check_tensor(name: str, files, m: TensorMapping) -> None:
         )
 
 
+def read_hf_config(path: str) -> dict:
+    """A folder's config.json as a dict; ValueError naming the file when it is not JSON."""
+    cfg_path = os.path.join(path, "config.json")
+    try:
+        with open(cfg_path) as f:
+            hf = json.load(f)
+    except ValueError as e:
+        raise ValueError(f"{cfg_path} is not valid JSON ({e}); copy or convert the model folder again") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{cfg_path} holds a JSON {type(hf).__name__}, not a model config object")
+    return hf
+
+
 def load_hf(
     path: str,
     dtype: str = "float32",
@@ -352,9 +382,7 @@ def load_hf(
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"{path}: no config.json; pass a Hugging Face model folder")
-    with open(cfg_path) as f:
-        hf = json.load(f)
-    cfg = config_from_hf(hf, dtype=dtype, param_dtype=param_dtype, **overrides)
+    cfg = config_from_hf(read_hf_config(path), dtype=dtype, param_dtype=param_dtype, **overrides)
     files = open_folder(path)
     mappings = tensor_map(cfg)
     expected = {m.hf_name for m in mappings}

@@ -48,11 +48,36 @@ class SafetensorsFile:
             (n,) = struct.unpack("<Q", raw)
             if n > 100_000_000:
                 raise ValueError(f"{path}: safetensors header of {n} bytes is implausible; the file is corrupt")
-            header = json.loads(f.read(n))
+            try:
+                header = json.loads(f.read(n))
+            except ValueError as e:  # UnicodeDecodeError and JSONDecodeError both are
+                raise ValueError(f"{path}: the safetensors header is not valid JSON ({e}); the file is corrupt: "
+                                 "copy or convert it again") from None
+        if not isinstance(header, dict):
+            raise ValueError(f"{path}: the safetensors header is not a JSON object; the file is corrupt")
         self._meta = header.pop("__metadata__", {}) or {}
         self._header = header
         self._offset = 8 + n
+        self._check_layout(os.path.getsize(path) - self._offset)
         self._mmap = np.memmap(path, dtype=np.uint8, mode="r")
+
+    def _check_layout(self, data_bytes: int) -> None:
+        """Every tensor's byte range lies in the file and matches its shape and dtype, so a
+        truncated download fails here, naming the tensor, not later as a reshape error."""
+        for name, h in self._header.items():
+            try:
+                start, end = (int(x) for x in h["data_offsets"])
+                count = int(np.prod(h["shape"], dtype=np.int64))
+                itemsize = _DTYPES[h["dtype"]].itemsize if h["dtype"] in _DTYPES else None
+            except (KeyError, TypeError, ValueError):
+                raise ValueError(f"{self.path}: tensor {name!r} has a malformed header entry {h!r}; "
+                                 "the file is corrupt: copy or convert it again") from None
+            if end > data_bytes or start > end:
+                raise ValueError(f"{self.path}: tensor {name!r} needs bytes {start}-{end} of the data section, "
+                                 f"which holds {data_bytes}; the file is truncated: copy or convert it again")
+            if itemsize is not None and end - start != count * itemsize:
+                raise ValueError(f"{self.path}: tensor {name!r} spans {end - start} bytes, but shape {h['shape']} "
+                                 f"of {h['dtype']} needs {count * itemsize}; the file is corrupt")
 
     def keys(self) -> list[str]:
         return list(self._header)

@@ -77,14 +77,22 @@ def ensure_base_model(run: RunConfig, tokenizer) -> str:
     return path
 
 
-def load_model(run: RunConfig, path: str, mesh):
-    """Load a Hugging Face folder straight onto the mesh, with the run's compute options."""
+def load_model(run: RunConfig, path: str, mesh, tokenizer=None):
+    """Load a Hugging Face folder straight onto the mesh, with the run's compute options.
+    With `tokenizer`, its ids must fit the model's embedding (else out-of-range ids would
+    read garbage rows and the loss turn NaN, which looks like divergence)."""
     from ptrain.models import load_hf
 
     m = run.model
-    return load_hf(path, dtype=m.dtype, param_dtype=m.param_dtype, mesh=mesh, rules=tuple(rules_of(run)),
-                   remat=m.remat, scan_layers=m.scan_layers, moe_implementation=m.moe_implementation,
-                   router_aux_loss_coef=m.router_aux_loss_coef, router_bias_update_rate=m.router_bias_update_rate)
+    model = load_hf(path, dtype=m.dtype, param_dtype=m.param_dtype, mesh=mesh, rules=tuple(rules_of(run)),
+                    remat=m.remat, scan_layers=m.scan_layers, moe_implementation=m.moe_implementation,
+                    router_aux_loss_coef=m.router_aux_loss_coef, router_bias_update_rate=m.router_bias_update_rate)
+    vocab = model.cfg.vocab_size
+    if tokenizer is not None and len(tokenizer) > vocab:
+        raise ValueError(f"the model in {path} has a vocabulary of {vocab} but the tokenizer has {len(tokenizer)} "
+                         "tokens; use the tokenizer saved with that model (data.tokenizer_path, or a folder with "
+                         "tokenizer.json beside config.json) or a model whose embedding covers it")
+    return model
 
 
 @dataclass
@@ -203,18 +211,20 @@ def train_loop(
         if pending is not None:
             drain(pending)
         pending = (step, metrics, tokens, dt)
-        if checkpointer.should_save(step, total):
-            drain(pending)  # the step's metrics reach the JSONL before its checkpoint exists
-            pending = None
-            checkpointer.save(step, state, data_state(), dict(meta or {}, step=step, metrics=last))
+        # Evaluate before saving: a run killed between the two then redoes this step's
+        # evaluation on resume, instead of resuming past it with the evaluation lost.
         if evaluate is not None and (step == total or (run.train.eval_every and step % run.train.eval_every == 0)):
-            if pending is not None:
-                drain(pending)
-                pending = None
+            drain(pending)
+            pending = None
             eval_metrics = evaluate(state, step)
             logger.log(step, eval_metrics, prefix="eval")
             last.update({f"eval/{k}": v for k, v in eval_metrics.items()})
             t_prev = time.time()  # evaluation time is not training time
+        if checkpointer.should_save(step, total):
+            if pending is not None:
+                drain(pending)  # the step's metrics reach the JSONL before its checkpoint exists
+                pending = None
+            checkpointer.save(step, state, data_state(), dict(meta or {}, step=step, metrics=last))
     if pending is not None:
         drain(pending)
     checkpointer.wait()

@@ -114,7 +114,7 @@ def run_dpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict
     tokenizer = tokenizer_for(run, init_path)
     data_cfg = write_generated(run.data, os.path.join(run.run_dir, "data"))
     t, algo, mesh = run.train, run.algo.dpo, stage_mesh(run)
-    model = load_model(run, init_path or ensure_base_model(run, tokenizer), mesh)
+    model = load_model(run, init_path or ensure_base_model(run, tokenizer), mesh, tokenizer)
     tx, lr = make_optimizer(run.optim, t.steps)
     needs_ref = algo.kind not in REFERENCE_FREE
     in_step_ref = needs_ref and not algo.precompute_reference

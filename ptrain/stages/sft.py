@@ -41,7 +41,7 @@ def run_sft_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict
                                    seed=data_cfg.shuffle_seed)
     print(f"ptrain: {train_iter.n_examples} training examples; {train_iter.report.summary()}", flush=True)
 
-    model = load_model(run, init_path or ensure_base_model(run, tokenizer), mesh)
+    model = load_model(run, init_path or ensure_base_model(run, tokenizer), mesh, tokenizer)
     tx, lr = make_optimizer(run.optim, t.steps)
     placed = place_state(run, model, tx, mesh)
     norm = run.algo.sft.norm_constant or float(t.global_batch_size * t.seq_len)

@@ -99,6 +99,42 @@ def test_bad_checkpoints_fail_naming_the_problem(folder, tmp_path, edit_tensors,
         load_hf(bad)
 
 
+@pytest.mark.parametrize("damage, match", [
+    ("truncate", r"tensor .* needs bytes .* the file is truncated"),
+    ("header", r"safetensors header is not valid JSON"),
+    ("config", r"config.json is not valid JSON"),
+    ("no_hidden_size", r"lacks hidden_size"),
+])
+def test_damaged_files_fail_naming_file_and_cause(folder, tmp_path, damage, match):
+    """A cut-off download, a garbled header or config, a config without its sizes: each names
+    the file (and the tensor) instead of failing later as a reshape or decode error."""
+    path, _ = folder
+    bad = _copy_with(path, str(tmp_path / "bad"),
+                     edit_config=(lambda c: c.pop("hidden_size")) if damage == "no_hidden_size" else None)
+    weights = os.path.join(bad, "model.safetensors")
+    if damage == "truncate":
+        with open(weights, "r+b") as f:
+            f.truncate(os.path.getsize(weights) - 100)
+    elif damage == "header":
+        with open(weights, "r+b") as f:
+            f.seek(8)
+            f.write(b"\xff\xfe\x00garbage")
+    elif damage == "config":
+        with open(os.path.join(bad, "config.json"), "a") as f:
+            f.write("}{")
+    with pytest.raises(ValueError, match=match):
+        load_hf(bad)
+
+
+def test_legacy_rope_type_key_survives_a_save(folder):
+    """`rope_scaling={type: linear}` (the pre-4.45 key) is written as rope_type, so the saved
+    folder reloads with its scaling instead of none."""
+    legacy = dataclasses.replace(CFG, rope_scaling={"type": "linear", "factor": 2.0})
+    hf = json.loads(json.dumps(config_to_hf(legacy)))
+    assert hf["rope_parameters"]["rope_type"] == "linear" and "type" not in hf["rope_parameters"]
+    assert config_from_hf(hf).rope_scaling == {"rope_type": "linear", "factor": 2.0}
+
+
 def test_pickled_weights_are_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config_to_hf(CFG)))
     (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04not really a pickle")
