@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from typing import Any
 
@@ -26,6 +27,26 @@ log = logging.getLogger("ptrain")
 register_configs()
 
 
+def _multirun() -> bool:
+    try:
+        return HydraConfig.get().mode == RunMode.MULTIRUN
+    except ValueError:  # not under Hydra (tests call _run directly)
+        return False
+
+
+def _fail(kind: str, e: BaseException, code: int) -> dict:
+    """A mistake the user fixes in the command, config or data: one message, no traceback
+    (HYDRA_FULL_ERROR=1 shows it, as for Hydra's own errors). In a sweep the job's result
+    is the error, so the other jobs still run and the summary lists it."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        raise e
+    message = f"ptrain: {kind}: {e}"
+    print(message, file=sys.stderr, flush=True)
+    if _multirun():
+        return {"error": message}
+    sys.exit(code)
+
+
 def _run(cfg: DictConfig) -> dict:
     # Orbax and Grain log every save and read at INFO through absl; keep the console for our lines.
     for name in ("absl", "orbax", "jax._src.xla_bridge"):
@@ -33,19 +54,22 @@ def _run(cfg: DictConfig) -> dict:
     try:
         run = to_run_config(cfg)
     except (ConfigError, FileNotFoundError) as e:
-        print(f"ptrain: config error: {e}", file=sys.stderr)
-        sys.exit(2)
-    try:
-        if HydraConfig.get().mode == RunMode.MULTIRUN:
-            run.run_dir = HydraConfig.get().runtime.output_dir  # one folder per sweep job
-    except ValueError:  # not under Hydra (tests call _run directly)
-        pass
+        return _fail("config error", e, 2)
+    if _multirun():
+        run.run_dir = HydraConfig.get().runtime.output_dir  # one folder per sweep job
     # Before any JAX backend starts; it adds nothing for MoE or bfloat16 models, which the
     # flag slows (ptrain/runtime.py, docs/performance.md).
     tune_xla_cpu(compute_dtype=run.model.dtype, moe=run.model.is_moe)
-    from ptrain.pipeline import run_pipeline  # jax imports only after the config is known good
+    from ptrain.checkpoint import CheckpointError  # jax imports only after the config is known good
+    from ptrain.pipeline import run_pipeline
+    from ptrain.stages.common import TrainingDiverged
 
-    return run_pipeline(run)
+    try:
+        return run_pipeline(run)
+    except (ConfigError, FileNotFoundError) as e:  # checks that need the devices or the files
+        return _fail("config error", e, 2)
+    except (CheckpointError, TrainingDiverged, ValueError) as e:  # bad data, model folders, checkpoints
+        return _fail("error", e, 1)
 
 
 @hydra.main(config_path="pkg://ptrain.conf", config_name="config", version_base="1.3")
@@ -74,9 +98,14 @@ class SweepSummary(Callback):
         if not self.jobs:
             return
         lines = [f"\nSweep summary ({len(self.jobs)} jobs, folders under {config.hydra.sweep.dir}):"]
+        failed = 0
         for i, (overrides, value) in enumerate(self.jobs):
             shown = value
             if isinstance(value, dict):
                 shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in value.items()}
+                failed += "error" in value
             lines.append(f"  job{i}  {' '.join(overrides)}  ->  {json.dumps(shown, default=str)}")
         print("\n".join(lines), flush=True)
+        if failed:
+            print(f"ptrain: {failed} of {len(self.jobs)} sweep jobs failed (above)", file=sys.stderr, flush=True)
+            sys.exit(1)

@@ -19,7 +19,7 @@ from typing import Callable
 from omegaconf import OmegaConf
 
 from ptrain.checkpoint import is_done, read_done
-from ptrain.config import RunConfig, stage_config
+from ptrain.config import ConfigError, RunConfig, stage_config
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,20 @@ def initial_weights(run: RunConfig, index: int) -> str | None:
     return stage.init
 
 
+def _check_every_stage_fits(run: RunConfig) -> None:
+    """Each stage's batch against the mesh, on the devices there are, before the first stage
+    trains: a later stage's mistake must not surface only after the earlier ones ran."""
+    import jax
+
+    from ptrain.config.run import check_mesh_fits
+
+    for stage in run.stages:
+        try:
+            check_mesh_fits(stage_config(run, stage), jax.device_count())
+        except ConfigError as e:
+            raise ConfigError(f"stage '{stage.name}': {e}") from None
+
+
 def run_pipeline(run: RunConfig) -> dict:
     """Run every stage; return the last stage's summary (final metrics), for sweeps."""
     os.makedirs(run.run_dir, exist_ok=True)
@@ -57,6 +71,7 @@ def run_pipeline(run: RunConfig) -> dict:
     from ptrain.parallel import maybe_initialize_distributed
 
     maybe_initialize_distributed()
+    _check_every_stage_fits(run)
     summary: dict = {}
     for i, stage in enumerate(run.stages):
         sdir = stage_dir(run, stage.name)

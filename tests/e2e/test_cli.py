@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -59,6 +60,14 @@ def test_run_export_skip_and_kill_resume(tmp_path):
     again = cli(*TINY, *steps, f"run_dir={ref_dir}")
     assert "already finished" in again.stdout
 
+    # a damaged stage marker: one message with the fix, no traceback
+    done = (stage / "DONE.json").read_text()
+    (stage / "DONE.json").write_text(done[:10])
+    broken = cli(*TINY, *steps, f"run_dir={ref_dir}", check=False)
+    assert broken.returncode == 1 and "ptrain: error: " in broken.stderr and "delete it and re-launch" in broken.stderr
+    assert "Traceback" not in broken.stderr
+    (stage / "DONE.json").write_text(done)
+
     # kill at an arbitrary point after the first checkpoint, then re-launch the same command
     run_dir = tmp_path / "killed"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -82,13 +91,26 @@ def test_run_export_skip_and_kill_resume(tmp_path):
 
 @pytest.mark.slow
 def test_sweep_runs_every_job_in_its_own_folder(tmp_path):
+    """Each job gets its folder; a job with a bad value fails alone (the others still run),
+    the summary shows its error and the sweep exits non-zero."""
     out = cli("-m", *TINY, "train.steps=2", "train.eval_every=0", "checkpoint.every_steps=0",
-              f"hydra.sweep.dir={tmp_path}", "optim.lr=1e-3,3e-3")
-    assert "Sweep summary (2 jobs" in out.stdout
-    for job in ("job0", "job1"):
+              f"hydra.sweep.dir={tmp_path}", "optim.lr=1e-3,-1,3e-3", check=False)
+    assert "Sweep summary (3 jobs" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.returncode == 1 and "1 of 3 sweep jobs failed" in out.stderr
+    assert re.search(r"optim.lr=-1  ->  \{\"error\": \"ptrain: config error: .*'optim.lr': must be > 0", out.stdout)
+    for job in ("job0", "job2"):
         assert (tmp_path / job / "stages" / "sft" / "DONE.json").is_file()
-    lrs = {json.loads((tmp_path / j / "stages" / "sft" / "DONE.json").read_text())["lr"] for j in ("job0", "job1")}
+    lrs = {json.loads((tmp_path / j / "stages" / "sft" / "DONE.json").read_text())["lr"] for j in ("job0", "job2")}
     assert len(lrs) == 2
+
+
+def test_a_later_stage_that_does_not_fit_the_mesh_stops_the_run_before_any_training(tmp_path, monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    stages = "stages=[{name: a, kind: sft}, {name: b, kind: sft, train: {global_batch_size: 9}}]"
+    out = cli(*TINY, stages, f"run_dir={tmp_path}", check=False)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "stage 'b'" in out.stderr and "train.global_batch_size" in out.stderr
+    assert not (tmp_path / "stages" / "a" / "DONE.json").exists()
 
 
 def test_cfg_job_prints_the_resolved_config():
