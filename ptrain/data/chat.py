@@ -145,11 +145,11 @@ def _generation_prefix_len(tokenizer, messages: list[dict[str, Any]], i: int, fu
     if i:
         return len(_prefix_ids(tokenizer, messages, i, full, add_generation_prompt=True))
     try:
-        full = _ids(tokenizer, messages[:1])
+        turn = _ids(tokenizer, messages[:1])
         empty = _ids(tokenizer, [dict(messages[0], content="")])
     except Exception:  # noqa: BLE001 - a template that rejects an empty turn: mask from the start
         return 0
-    return next((k for k, (a, b) in enumerate(zip(full, empty)) if a != b), min(len(full), len(empty)))
+    return next((k for k, (a, b) in enumerate(zip(turn, empty)) if a != b), min(len(turn), len(empty)))
 
 
 def tokenize_conversation(tokenizer, messages: list[dict[str, Any]], n_prompt: int = 0

@@ -280,7 +280,7 @@ class DataIterator(grain.DatasetIterator):
                 f"the training examples differ from those the checkpoint was taken on ({saved['count']} examples, "
                 f"fingerprint {saved['fingerprint'][:12]} then; {now['count']}, {now['fingerprint'][:12]} now): "
                 "resuming would repeat some rows and skip others. Restore the run's data files, tokenizer and "
-                "data/train settings, or start a new run_dir (stages[].init can start it from this stage's weights)")
+                "data/train settings, or start the stage again in a new run_dir")
         self._parent.set_state(state)
 
 
