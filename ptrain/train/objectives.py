@@ -18,16 +18,20 @@ from ptrain.train.state import ModelDef, TrainState
 
 
 def sft_denominator(cfg: SFTAlgoConfig, norm_constant: float):
-    """Global-batch denominator of the SFT loss for the chosen aggregation."""
+    """Global-batch denominators of the SFT objective: {"loss": that of the chosen
+    aggregation, "tokens": the loss tokens, which weigh the MoE load-balancing term}."""
 
-    def denominator(batch: dict) -> jax.Array:
+    def denominator(batch: dict) -> dict[str, jax.Array]:
         mask = batch["loss_mask"].astype(jnp.float32)
+        tokens = jnp.sum(mask)
         if cfg.aggregation == "token_mean":
-            return jnp.sum(mask)
-        if cfg.aggregation == "sequence_mean":
+            loss = tokens
+        elif cfg.aggregation == "sequence_mean":
             _, counts = sequence_sums(mask, mask, batch["segment_ids"])
-            return jnp.sum((counts > 0).astype(jnp.float32))
-        return jnp.asarray(norm_constant, jnp.float32)
+            loss = jnp.sum((counts > 0).astype(jnp.float32))
+        else:
+            loss = jnp.asarray(norm_constant, jnp.float32)
+        return {"loss": loss, "tokens": tokens}
 
     return denominator
 
@@ -52,7 +56,9 @@ def make_sft_objective(model_def: ModelDef, cfg: SFTAlgoConfig, *, aux_loss_coef
                        vocab_chunk: int = 0):
     """SFT cross-entropy (+ MoE load-balancing loss) as an accumulation-exact objective."""
 
-    def objective(params, state: TrainState, batch: dict, denom: jax.Array):
+    def objective(params, state: TrainState, batch: dict, denoms):
+        # denoms: sft_denominator's dict; a bare scalar is the token count (token_mean).
+        denom, tokens = (denoms["loss"], denoms["tokens"]) if isinstance(denoms, dict) else (denoms, denoms)
         stats, model_aux = target_stats(model_def, params, state.model_state, batch, vocab_chunk)
         kwargs = dict(label_smoothing=cfg.label_smoothing, z_loss=cfg.z_loss, segment_ids_BxL=batch["segment_ids"])
         if cfg.aggregation == "sum":
@@ -66,7 +72,9 @@ def make_sft_objective(model_def: ModelDef, cfg: SFTAlgoConfig, *, aux_loss_coef
             # Summed over micro-batches like everything else; finalize_metrics averages them.
             metrics["moe_lb_loss"] = model_aux.lb_loss
             metrics["expert_load"] = model_aux.expert_load
-            loss = loss + aux_loss_coef * model_aux.lb_loss * (aux.token_count / denom)
+            # Each micro-batch's term weighs by its share of the batch's loss tokens, so the
+            # step adds aux_loss_coef x (token-weighted mean lb_loss) whatever the aggregation.
+            loss = loss + aux_loss_coef * model_aux.lb_loss * (aux.token_count / tokens)
         return loss, metrics
 
     return objective

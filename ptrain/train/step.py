@@ -25,8 +25,10 @@ PyTree = Any
 # objective(params, state, micro_batch, denominator) -> (loss, metrics); `loss` is this
 # micro-batch's share of the full-batch loss, `metrics` a dict of scalars that add up
 # over micro-batches (divide by `denominator` inside for means).
-Objective = Callable[[PyTree, TrainState, dict, jax.Array], tuple[jax.Array, dict]]
-Denominator = Callable[[dict], jax.Array]
+Objective = Callable[[PyTree, TrainState, dict, Any], tuple[jax.Array, dict]]
+# denominator(global batch) -> a scalar, or a dict of scalars (each clamped to >= 1), handed
+# to every micro-batch's objective unchanged.
+Denominator = Callable[[dict], Any]
 # post_update(model_state, metrics) -> model_state, e.g. the MoE router-bias update.
 PostUpdate = Callable[[PyTree, dict], PyTree]
 
@@ -42,7 +44,7 @@ def split_micro_batches(batch: dict, grad_accum: int) -> dict:
     return jax.tree.map(split, batch)
 
 
-def accumulate_gradients(objective: Objective, state: TrainState, batch: dict, denom: jax.Array,
+def accumulate_gradients(objective: Objective, state: TrainState, batch: dict, denom: Any,
                          grad_accum: int) -> tuple[PyTree, dict]:
     """Sum of per-micro-batch gradients and metrics (a scan when grad_accum > 1)."""
     grad_fn = jax.value_and_grad(objective, has_aux=True)
@@ -73,7 +75,7 @@ def make_train_step(objective: Objective, denominator: Denominator, tx: optax.Gr
     """Build the pure `step(state, batch) -> (state, metrics)` of one optimizer update."""
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        denom = jnp.maximum(denominator(batch).astype(jnp.float32), 1.0)
+        denom = jax.tree.map(lambda d: jnp.maximum(jnp.asarray(d, jnp.float32), 1.0), denominator(batch))
         grads, metrics = accumulate_gradients(objective, state, batch, denom, grad_accum)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)

@@ -110,3 +110,19 @@ def test_chunked_vocabulary_path_matches_full_logits(split):
     assert grads[0][0] == pytest.approx(grads[16][0], rel=1e-6)
     for a, b in zip(jax.tree.leaves(grads[0][1]), jax.tree.leaves(grads[16][1])):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "sum"])
+def test_moe_balance_term_weighs_the_same_under_every_aggregation(aggregation):
+    """The objective adds aux_loss_coef x the load-balancing loss whatever divides the
+    cross-entropy (sequence_mean once scaled it by the tokens per sequence); with 4
+    micro-batches it adds the token-weighted mean of theirs."""
+    model_def, params, rest = split_model(tiny_model(n_layers=1, n_experts=4, top_k=2, d_ff_expert=16))
+    tx, _ = make_optimizer(OptimConfig(), 10)
+    state = init_train_state(params, tx, seed=0, model_state=rest)
+    cfg = SFTAlgoConfig(aggregation=aggregation)
+    batch = {k: jnp.asarray(v) for k, v in random_batch(batch=4, length=16).items()}
+    denoms = jax.tree.map(lambda d: jnp.maximum(d, 1.0), sft_denominator(cfg, 64.0)(batch))
+    plain, _ = make_sft_objective(model_def, cfg, aux_loss_coef=0.0)(state.params, state, batch, denoms)
+    with_lb, m = make_sft_objective(model_def, cfg, aux_loss_coef=0.5)(state.params, state, batch, denoms)
+    assert float(with_lb - plain) == pytest.approx(0.5 * float(m["moe_lb_loss"]), rel=1e-5)
