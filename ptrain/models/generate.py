@@ -171,6 +171,13 @@ def bucket_length(n: int, minimum: int = 16) -> int:
     return b
 
 
+def prompt_bucket_for(longest: int, max_new_tokens: int, max_seq_len: int) -> int:
+    """`bucket_length(longest)`, capped so that bucket + max_new_tokens fits max_seq_len
+    whenever the prompt itself does: the power of two is there to bound recompiles, not to
+    refuse a request that fits."""
+    return max(longest, min(bucket_length(longest), max_seq_len - max_new_tokens))
+
+
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, length: int) -> tuple[np.ndarray, np.ndarray]:
     """Left-pads token lists to [B, length]; returns (ids, pad counts [B])."""
     B = len(prompts)
@@ -205,9 +212,11 @@ def generate(
     max_new_tokens: tokens generated per row at most (also the cache extension).
     temperature: 0 = greedy; top_k: 0 = off; top_p: 1 = off; stop_tokens: up to
     MAX_STOP_TOKENS ids that end a row (the stop token is included in the output).
-    prompt_bucket: padded prompt length (default: next power of two >= longest prompt).
+    prompt_bucket: padded prompt length (default: next power of two >= longest prompt, capped
+    at model.max_seq_len - max_new_tokens when the longest prompt fits under that).
     """
-    if isinstance(prompts, tuple) and len(prompts) == 2 and hasattr(prompts[0], "shape"):
+    if (isinstance(prompts, tuple) and len(prompts) == 2 and np.ndim(prompts[0]) == 2
+            and np.ndim(prompts[1]) == 1):
         ids, lens = np.asarray(prompts[0]), np.asarray(prompts[1])
         prompts = [ids[i, : int(lens[i])].tolist() for i in range(ids.shape[0])]
     prompts = [list(p) for p in prompts]
@@ -221,11 +230,14 @@ def generate(
     if len(stop_tokens) > MAX_STOP_TOKENS:
         raise ValueError(f"at most {MAX_STOP_TOKENS} stop tokens, got {len(stop_tokens)}")
     longest = max(len(p) for p in prompts)
-    P = prompt_bucket or bucket_length(longest)
     cfg = model.cfg
+    P = prompt_bucket or prompt_bucket_for(longest, max_new_tokens, cfg.max_seq_len)
+    if P < longest:
+        raise ValueError(f"prompt_bucket={P} is shorter than the longest prompt ({longest} tokens)")
     if P + max_new_tokens > cfg.max_seq_len:
         raise ValueError(
-            f"prompt bucket {P} + max_new_tokens {max_new_tokens} exceeds model.max_seq_len={cfg.max_seq_len}"
+            f"prompt of {longest} tokens (padded to {P}) + max_new_tokens {max_new_tokens} exceeds "
+            f"model.max_seq_len={cfg.max_seq_len}; shorten the prompt or lower max_new_tokens"
         )
     ids, pads = left_pad(prompts, pad_id, P)
     stop = np.full((MAX_STOP_TOKENS,), -1, np.int32)

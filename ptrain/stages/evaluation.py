@@ -63,9 +63,9 @@ def complete(model, prompt_ids: list[list[int]], tokenizer, *, max_new_tokens: i
     """One completion per prompt, generated `batch_size` rows at a time. Every call is padded
     to `batch_size` rows and one prompt bucket, so all of them reuse one compiled program;
     call b samples with key fold_in(key(seed), b)."""
-    from ptrain.models.generate import bucket_length, generate
+    from ptrain.models.generate import generate, prompt_bucket_for
 
-    bucket = bucket_length(max(len(p) for p in prompt_ids))
+    bucket = prompt_bucket_for(max(len(p) for p in prompt_ids), max_new_tokens, model.cfg.max_seq_len)
     stop, pad = stop_token_ids(tokenizer), tokenizer.pad_token_id or 0
     out: list[Completion] = []
     for b, start in enumerate(range(0, len(prompt_ids), batch_size)):

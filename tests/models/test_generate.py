@@ -116,6 +116,19 @@ def test_bad_requests_are_rejected(model):
         generate(model, [[1]], max_new_tokens=2, top_p=0.0)
 
 
+def test_a_request_that_fits_the_cache_is_served(model):
+    """33 prompt tokens + 16 new fit max_seq_len=64 although the power-of-two bucket (64) would
+    not: the bucket is capped at 48. A tuple of two 1-D prompts is two prompts, not (ids, lengths)."""
+    from ptrain.models.generate import prompt_bucket_for
+
+    assert prompt_bucket_for(33, 16, 64) == 48 and prompt_bucket_for(5, 16, 64) == 16
+    out = generate(model, [list(range(1, 34))], max_new_tokens=16)
+    assert out.tokens_BxN.shape == (1, 16)
+    pair = generate(model, (np.array([5, 9, 11]), np.array([7, 3])), max_new_tokens=2)
+    listed = generate(model, [[5, 9, 11], [7, 3]], max_new_tokens=2)
+    np.testing.assert_array_equal(pair.tokens_BxN, listed.tokens_BxN)
+
+
 def test_scanned_layers_generate_the_same_tokens(model, tmp_path):
     """The stacked-cache path (scan_layers) decodes exactly like the per-layer list."""
     from ptrain.models import load_hf, save_hf
