@@ -308,3 +308,27 @@ def train_evaluate_export(
                    wall_time_s=round(time.time() - t_start, 1))
     mark_done(stage_dir, summary)
     return summary
+
+
+def router_bias_update(run: RunConfig, model):
+    """The aux-loss-free router-bias update (DeepSeek-V3) as a post-update hook, or None.
+
+    The train state keeps non-trainable variables as a pure dict; the model's own update
+    works on an nnx.State, so the dict is poured into a copy of the model's state template.
+    """
+    if not run.model.n_experts or run.model.router_bias_update_rate <= 0:
+        return None
+    from flax import nnx
+
+    from ptrain.models import update_router_bias
+
+    rate, accum = run.model.router_bias_update_rate, run.train.grad_accum
+    template = nnx.split(model, nnx.Param, ...)[2]
+
+    def update(model_state, metrics):
+        state = jax.tree.map(lambda x: x, template)  # fresh Variables; the template stays untouched
+        nnx.replace_by_pure_dict(state, model_state)
+        state = update_router_bias(state, metrics["expert_load"] / accum, rate)
+        return nnx.to_pure_dict(state)
+
+    return update

@@ -26,6 +26,7 @@ from ptrain.stages.common import (
     load_model,
     place_state,
     restore_or_start,
+    router_bias_update,
     stage_mesh,
     tokenizer_for,
     train_evaluate_export,
@@ -143,8 +144,10 @@ def run_dpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict
         if any(p.task for p in prompts):
             evaluators.append(exact_match_evaluator(run, prompts, tokenizer, placed))
 
-    objective = make_dpo_objective(placed.model_def, algo, vocab_chunk=t.vocab_chunk)
-    step_fn = jit_step(make_train_step(objective, dpo_denominator, tx, lr, grad_accum=t.grad_accum), placed)
+    objective = make_dpo_objective(placed.model_def, algo, vocab_chunk=t.vocab_chunk,
+                                   aux_loss_coef=run.model.router_aux_loss_coef)
+    step_fn = jit_step(make_train_step(objective, dpo_denominator, tx, lr, grad_accum=t.grad_accum,
+                                       post_update=router_bias_update(run, model)), placed)
     ckpt = StageCheckpointer(os.path.join(stage_dir, "checkpoints"), run.checkpoint)
     start, state, data_state = restore_or_start(ckpt, placed, run.checkpoint.resume)
     if data_state is not None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import time
 
-import jax
 import numpy as np
 
 from ptrain.checkpoint import StageCheckpointer
@@ -21,6 +20,7 @@ from ptrain.stages.common import (
     load_model,
     place_state,
     restore_or_start,
+    router_bias_update,
     stage_mesh,
     tokenizer_for,
     train_evaluate_export,
@@ -68,27 +68,3 @@ def run_sft_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict
         report=train_iter.report, evaluators=evaluators, checkpointer=ckpt, start_step=start,
         finalize=lambda m: finalize_metrics(m, t.grad_accum),
         tokens_in=lambda b: int(np.sum(b["segment_ids"] > 0)), tokenizer=tokenizer, t_start=t_start)
-
-
-def router_bias_update(run: RunConfig, model):
-    """The aux-loss-free router-bias update (DeepSeek-V3) as a post-update hook, or None.
-
-    The train state keeps non-trainable variables as a pure dict; the model's own update
-    works on an nnx.State, so the dict is poured into a copy of the model's state template.
-    """
-    if not run.model.n_experts or run.model.router_bias_update_rate <= 0:
-        return None
-    from flax import nnx
-
-    from ptrain.models import update_router_bias
-
-    rate, accum = run.model.router_bias_update_rate, run.train.grad_accum
-    template = nnx.split(model, nnx.Param, ...)[2]
-
-    def update(model_state, metrics):
-        state = jax.tree.map(lambda x: x, template)  # fresh Variables; the template stays untouched
-        nnx.replace_by_pure_dict(state, model_state)
-        state = update_router_bias(state, metrics["expert_load"] / accum, rate)
-        return nnx.to_pure_dict(state)
-
-    return update

@@ -107,17 +107,20 @@ def both_sides(batch: dict) -> dict:
             for k in ("input_ids", "target_ids", "loss_mask", "segment_ids", "positions")}
 
 
-def pair_logprobs(model_def: ModelDef, params, model_state, batch: dict, vocab_chunk: int = 0):
-    """Per-sequence summed completion log-probs and token counts of both sides, each [B].
+def pair_logprobs(model_def: ModelDef, params, model_state, batch: dict, vocab_chunk: int = 0,
+                  return_aux: bool = False):
+    """Per-sequence summed completion log-probs and token counts of both sides, each [B]
+    (and, with return_aux, the forward's ModelAux: the MoE router terms).
 
     One forward pass over chosen and rejected together (2B rows), so the two sides share
     one compiled program and one set of weight reads.
     """
     seqs = both_sides(batch)
-    stats, _ = target_stats(model_def, params, model_state, seqs, vocab_chunk)
+    stats, model_aux = target_stats(model_def, params, model_state, seqs, vocab_chunk)
     logp, counts = sequence_logprobs(stats.logp, seqs["loss_mask"])
     b = batch["chosen_input_ids"].shape[0]
-    return logp[:b], logp[b:], counts[:b], counts[b:]
+    out = (logp[:b], logp[b:], counts[:b], counts[b:])
+    return out + (model_aux,) if return_aux else out
 
 
 def dpo_denominator(batch: dict) -> jax.Array:
@@ -125,8 +128,10 @@ def dpo_denominator(batch: dict) -> jax.Array:
     return jnp.sum((batch["pair_index"] >= 0).astype(jnp.float32))
 
 
-def make_dpo_objective(model_def: ModelDef, cfg: DPOAlgoConfig, *, vocab_chunk: int = 0):
-    """Preference loss of the policy against the frozen reference, averaged over real pairs.
+def make_dpo_objective(model_def: ModelDef, cfg: DPOAlgoConfig, *, vocab_chunk: int = 0,
+                       aux_loss_coef: float = 0.0):
+    """Preference loss of the policy against the frozen reference, averaged over real pairs
+    (+ the MoE load-balancing loss of the policy's forward, weighted by aux_loss_coef).
 
     Reference log-probs come from the batch (`ref_chosen_logps` / `ref_rejected_logps`,
     precomputed in one pass) when present, else from `state.ref_params` in the same step.
@@ -135,7 +140,8 @@ def make_dpo_objective(model_def: ModelDef, cfg: DPOAlgoConfig, *, vocab_chunk: 
     reference_free = cfg.kind in ("simpo", "orpo")
 
     def objective(params, state: TrainState, batch: dict, denom: jax.Array):
-        pc, pr, nc, nr = pair_logprobs(model_def, params, state.model_state, batch, vocab_chunk)
+        pc, pr, nc, nr, model_aux = pair_logprobs(model_def, params, state.model_state, batch, vocab_chunk,
+                                                  return_aux=True)
         if reference_free:
             rc = rr = None
         elif "ref_chosen_logps" in batch:
@@ -156,6 +162,13 @@ def make_dpo_objective(model_def: ModelDef, cfg: DPOAlgoConfig, *, vocab_chunk: 
             "preference_accuracy": mean((pc > pr).astype(jnp.float32)),
             "loss_tokens": jnp.sum((nc + nr) * valid),
         }
-        return mean(loss_b), metrics
+        loss = mean(loss_b)
+        if model_aux.expert_load.size:
+            # As in SFT: summed over micro-batches (finalize_metrics averages them), and each
+            # micro-batch's balance term weighs by its share of the batch's pairs.
+            metrics["moe_lb_loss"] = model_aux.lb_loss
+            metrics["expert_load"] = model_aux.expert_load
+            loss = loss + aux_loss_coef * model_aux.lb_loss * (jnp.sum(valid) / denom)
+        return loss, metrics
 
     return objective

@@ -64,3 +64,19 @@ def test_reference_free_kinds_need_no_reference(setup):
     for kind in ("simpo", "orpo"):
         loss, _ = make_dpo_objective(model_def, DPOAlgoConfig(kind=kind))(params, state, batch, dpo_denominator(batch))
         assert np.isfinite(float(loss))
+
+
+def test_moe_policy_gets_the_balance_term_and_its_load(setup):
+    """An MoE policy in DPO adds aux_loss_coef x its load-balancing loss, as in SFT, and
+    reports the expert load that the router-bias update reads."""
+    _, _, _, batch = setup
+    vocab = int(max(np.max(batch["chosen_input_ids"]), np.max(batch["rejected_input_ids"]))) + 1
+    model_def, params, rest = split_model(tiny_model(vocab_size=max(vocab, 64), max_seq_len=256, n_layers=1,
+                                                     n_experts=4, top_k=2, d_ff_expert=16))
+    tx, _ = make_optimizer(OptimConfig(), 10)
+    state = init_train_state(params, tx, seed=0, model_state=rest)
+    cfg = DPOAlgoConfig(kind="simpo")  # reference-free: no reference weights needed
+    plain, _ = make_dpo_objective(model_def, cfg)(params, state, batch, dpo_denominator(batch))
+    with_lb, m = make_dpo_objective(model_def, cfg, aux_loss_coef=0.5)(params, state, batch, dpo_denominator(batch))
+    assert float(with_lb - plain) == pytest.approx(0.5 * float(m["moe_lb_loss"]), rel=1e-5)
+    assert m["expert_load"].shape == (1, 4)
