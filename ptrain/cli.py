@@ -20,6 +20,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from ptrain.config import ConfigError, register_configs, to_run_config
+from ptrain.config.run import shadowed_overrides
 from ptrain.runtime import tune_xla_cpu
 
 log = logging.getLogger("ptrain")
@@ -57,6 +58,11 @@ def _run(cfg: DictConfig) -> dict:
         return _fail("config error", e, 2)
     if _multirun():
         run.run_dir = HydraConfig.get().runtime.output_dir  # one folder per sweep job
+    try:
+        for note in shadowed_overrides(run, list(HydraConfig.get().overrides.task)):
+            print(f"ptrain: note: {note}", file=sys.stderr, flush=True)
+    except ValueError:  # not under Hydra
+        pass
     # Before any JAX backend starts; it adds nothing for MoE or bfloat16 models, which the
     # flag slows (ptrain/runtime.py, docs/performance.md).
     tune_xla_cpu(compute_dtype=run.model.dtype, moe=run.model.is_moe)

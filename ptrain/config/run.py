@@ -100,6 +100,25 @@ def stage_config(run: RunConfig, stage: StageConfig) -> RunConfig:
     return out
 
 
+def shadowed_overrides(run: RunConfig, overrides: list[str]) -> list[str]:
+    """Notes for command-line overrides (`train.steps=2`) that a stage's own setting of the
+    same key replaces for that stage, with the override that would reach it."""
+    notes = []
+    for text in overrides:
+        key = text.split("=", 1)[0].lstrip("+~")
+        group, _, rest = key.partition(".")
+        if group not in ("train", "optim", "data", "algo") or not rest:
+            continue
+        for i, stage in enumerate(run.stages):
+            node: Any = getattr(stage, group)
+            for part in rest.split("."):
+                node = node.get(part) if isinstance(node, dict) else None
+            if node is not None:
+                notes.append(f"stage '{stage.name}' sets {key}={node} itself, which takes precedence over "
+                             f"'{text}'; pass stages.{i}.{key}=... to change it there")
+    return notes
+
+
 def _explain_omegaconf_error(e: OmegaConfBaseException, prefix: str = "") -> str:
     key = getattr(e, "full_key", None) or ""
     msg = str(e).splitlines()[0]

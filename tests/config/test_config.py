@@ -103,3 +103,22 @@ def test_mesh_must_fit_the_devices_and_the_batch():
         check_mesh_fits(run, 4)
     run.train.global_batch_size = 16
     assert check_mesh_fits(run, 8) == (2, 2, 2, 1)
+
+
+def test_overrides_a_stage_replaces_are_pointed_out():
+    """`train.steps=2` on the command line does not reach a stage that sets train.steps
+    itself; the CLI says so, with the override that would."""
+    from ptrain.config import RunConfig
+    from ptrain.config.run import shadowed_overrides
+    from ptrain.config.train import StageConfig
+
+    run = RunConfig(stages=[StageConfig(name="sft", train={"steps": 150}),
+                            StageConfig(name="dpo", kind="dpo", init="previous", algo={"dpo": {"beta": 0.1}})])
+    notes = shadowed_overrides(run, ["train.steps=2", "algo.dpo.beta=0.5", "optim.lr=1e-3", "model.d_model=64",
+                                     "++train.seq_len=64"])
+    assert notes == [
+        "stage 'sft' sets train.steps=150 itself, which takes precedence over 'train.steps=2'; "
+        "pass stages.0.train.steps=... to change it there",
+        "stage 'dpo' sets algo.dpo.beta=0.1 itself, which takes precedence over 'algo.dpo.beta=0.5'; "
+        "pass stages.1.algo.dpo.beta=... to change it there",
+    ]
