@@ -334,6 +334,14 @@ def make_sft_dataset(cfg: DataConfig, tokenizer, *, batch_size: int, seq_len: in
     eval: one pass in file order, the last batch padded with empty rows (segment 0).
     batch_size is per process (rows of shard_index of shard_count).
     """
+    ds, rep, n, _ = _sft_dataset_and_examples(cfg, tokenizer, batch_size=batch_size, seq_len=seq_len, seed=seed,
+                                              split=split, shard_index=shard_index, shard_count=shard_count)
+    return ds, rep, n
+
+
+def _sft_dataset_and_examples(cfg: DataConfig, tokenizer, *, batch_size: int, seq_len: int, seed: Optional[int],
+                              split: str, shard_index: int, shard_count: int):
+    """make_sft_dataset's work, also returning the tokenised examples (for the iterator's fingerprint)."""
     if batch_size < 1 or seq_len < 2:
         raise ValueError(f"need batch_size >= 1 and seq_len >= 2, got {batch_size} and {seq_len}")
     if cfg.format == "preference":
@@ -343,7 +351,7 @@ def make_sft_dataset(cfg: DataConfig, tokenizer, *, batch_size: int, seq_len: in
     seed = cfg.shuffle_seed if seed is None else seed
     ds, n = sft_batches(examples, cfg, batch_size=batch_size, seq_len=seq_len, seed=seed, train=split == "train",
                         shard_index=shard_index, shard_count=shard_count)
-    return ds, rep, n
+    return ds, rep, n, examples
 
 
 def sft_batches(examples, cfg: DataConfig, *, batch_size: int, seq_len: int, seed: int, train: bool,
@@ -370,9 +378,9 @@ def make_sft_iterator(cfg: DataConfig, tokenizer, *, batch_size: int, seq_len: i
     held-out rows (build a new one for each evaluation). `.report` is the bad-row report,
     `.epoch` the epoch of the last batch. seed None uses cfg.shuffle_seed.
     """
-    ds, rep, n = make_sft_dataset(cfg, tokenizer, batch_size=batch_size, seq_len=seq_len, seed=seed, split=split,
-                                  shard_index=shard_index, shard_count=shard_count)
-    examples, _ = sft_examples(cfg, tokenizer, seq_len=seq_len, split=split)  # cached: no second pass
+    ds, rep, n, examples = _sft_dataset_and_examples(cfg, tokenizer, batch_size=batch_size, seq_len=seq_len,
+                                                     seed=seed, split=split, shard_index=shard_index,
+                                                     shard_count=shard_count)
     return DataIterator(iter(ds), rep, n, examples)
 
 
@@ -408,6 +416,8 @@ def make_eval_prompts(cfg: DataConfig, tokenizer, *, split: str = "eval", limit:
     for i in range(len(source)):
         if limit is not None and len(out) >= limit:
             break
+        if report is not None:
+            report.total += 1
         try:
             try:
                 row = source[i]
@@ -422,11 +432,9 @@ def make_eval_prompts(cfg: DataConfig, tokenizer, *, split: str = "eval", limit:
                 prompt, reference = messages[:last], messages[last]["content"]
         except RowProblem as p:
             if report is not None:
-                report.total += 1
                 report.add(p.reason, i, row_location(source, i), p.problem)
             continue
         if report is not None:
-            report.total += 1
             report.good += 1
         task = row.get("task") if isinstance(row.get("task"), dict) else None
         if task is None and tasks.extract_answer(reference) is not None:

@@ -56,9 +56,8 @@ def make_sft_objective(model_def: ModelDef, cfg: SFTAlgoConfig, *, aux_loss_coef
                        vocab_chunk: int = 0):
     """SFT cross-entropy (+ MoE load-balancing loss) as an accumulation-exact objective."""
 
-    def objective(params, state: TrainState, batch: dict, denoms):
-        # denoms: sft_denominator's dict; a bare scalar is the token count (token_mean).
-        denom, tokens = (denoms["loss"], denoms["tokens"]) if isinstance(denoms, dict) else (denoms, denoms)
+    def objective(params, state: TrainState, batch: dict, denoms: dict[str, jax.Array]):
+        denom, tokens = denoms["loss"], denoms["tokens"]  # from sft_denominator
         stats, model_aux = target_stats(model_def, params, state.model_state, batch, vocab_chunk)
         kwargs = dict(label_smoothing=cfg.label_smoothing, z_loss=cfg.z_loss, segment_ids_BxL=batch["segment_ids"])
         if cfg.aggregation == "sum":

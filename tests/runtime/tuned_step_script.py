@@ -26,6 +26,6 @@ class State:
     model_state = rest
 
 
-loss, grads = jax.jit(jax.value_and_grad(lambda p: objective(p, State, batch, jnp.float32(256))[0]))(params)
+loss, grads = jax.jit(jax.value_and_grad(lambda p: objective(p, State, batch, {"loss": jnp.float32(256), "tokens": jnp.float32(256)})[0]))(params)
 flat = np.concatenate([np.ravel(g) for g in jax.tree.leaves(grads)])
 print(json.dumps({"loss": float(loss), "grad": flat[::97].tolist(), "grad_norm": float(np.linalg.norm(flat))}))
