@@ -16,4 +16,28 @@ Batch contract of the train steps (all `[B, L]`, numpy or jax arrays):
   positions    int32  position within its own segment (RoPE restarts per segment)
 """
 
+import os as _os
+
 __version__ = "0.1.0"
+
+
+def _source_tree_path() -> None:
+    """Let `ptrain.kernels` and `ptrain.conf` import from a source checkout.
+
+    A wheel holds them as ptrain/kernels/ and ptrain/conf/ (pyproject maps the top-level
+    kernels/ and conf/ there). Running `python -m ptrain` from the root of a clone imports
+    the clone's ptrain/ instead of the installed one, and that folder lacks both; adding the
+    clone root to this package's search path finds them where they live. An installed
+    package, or an editable install's own finder, never reaches this branch's effect.
+    """
+    here = _os.path.dirname(_os.path.abspath(__file__))
+    root = _os.path.dirname(here)
+    if (
+        not _os.path.isdir(_os.path.join(here, "kernels"))
+        and _os.path.isfile(_os.path.join(root, "kernels", "moe", "__init__.py"))
+        and _os.path.isfile(_os.path.join(root, "conf", "config.yaml"))
+    ):
+        __path__.append(root)  # noqa: F821 (set by the import system for packages)
+
+
+_source_tree_path()

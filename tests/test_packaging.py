@@ -17,11 +17,32 @@ def test_editable_install_maps_kernels_to_ptrain_kernels():
     assert os.path.realpath(os.path.dirname(moe.__file__)) == os.path.realpath(os.path.join(ROOT, "kernels", "moe"))
 
 
+def test_source_checkout_finds_kernels_and_conf_without_an_editable_finder():
+    """`python -m ptrain` from a clone's root imports the clone's ptrain/, not the installed
+    wheel; its kernels and Hydra configs must still resolve (to the top-level folders).
+    `-S` leaves out site-packages and with it the editable install's finder."""
+    probe = (
+        "import sys, importlib.util as u; sys.path.insert(0, sys.argv[1]); import ptrain;"
+        "print(u.find_spec('ptrain.kernels').origin); print(u.find_spec('ptrain.conf').origin)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", probe, ROOT], capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    kernels, conf = out.stdout.split()
+    assert os.path.realpath(kernels) == os.path.realpath(os.path.join(ROOT, "kernels", "__init__.py"))
+    assert os.path.realpath(conf) == os.path.realpath(os.path.join(ROOT, "conf", "__init__.py"))
+
+
 @pytest.mark.slow
 def test_wheel_install_imports_kernels_and_composes_recipes(tmp_path):
     isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
-    out = subprocess.run([sys.executable, "-m", "pip", "wheel", ROOT, "--no-deps", "-q", "-w", str(tmp_path / "w"),
-                          *isolation], capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", ROOT, "--no-deps", "-q", "-w", str(tmp_path / "w"), *isolation],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     wheel = next((tmp_path / "w").glob("ptrain-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
@@ -40,7 +61,8 @@ def test_wheel_install_imports_kernels_and_composes_recipes(tmp_path):
         "print([s.kind for s in run.stages])"
     )
     env = dict(os.environ, PYTHONPATH=str(site), SITE=str(site))
-    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, env=env,
-                         timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "['sft', 'dpo']" in res.stdout
