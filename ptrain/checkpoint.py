@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
@@ -37,8 +37,7 @@ class StageCheckpointer:
             enable_async_checkpointing=cfg.async_save,
             create=True,
         )
-        self.manager = ocp.CheckpointManager(self.directory, options=options,
-                                             item_names=("state", "data", "meta"))
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data", "meta"))
         # Steps that `restore_latest` could not read. They stay on disk, untouched, until
         # the resumed run saves the same step again (`save` then renames the old one).
         self.unreadable: set[int] = set()
@@ -51,11 +50,15 @@ class StageCheckpointer:
         """Start a (possibly asynchronous) save; the previous save is finished first."""
         if step in self.unreadable:
             self._set_aside(step)
-        self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
-            data=ocp.args.JsonSave(data_state),
-            meta=ocp.args.JsonSave(meta),
-        ), force=True)
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                data=ocp.args.JsonSave(data_state),
+                meta=ocp.args.JsonSave(meta),
+            ),
+            force=True,
+        )
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
@@ -73,7 +76,8 @@ class StageCheckpointer:
         if not os.path.isdir(src):
             raise CheckpointError(
                 f"checkpoint {src} could not be read earlier and is now missing or renamed; "
-                "check the folder, or delete it to restart the stage")
+                "check the folder, or delete it to restart the stage"
+            )
         dst, n = src + ".unreadable", 1
         while os.path.exists(dst):
             dst, n = f"{src}.unreadable.{n}", n + 1
@@ -82,7 +86,7 @@ class StageCheckpointer:
         self.unreadable.discard(step)
         log.warning("saving step %d again: the unreadable checkpoint of that step is kept as %s", step, dst)
 
-    def restore_latest(self, abstract_state) -> Optional[tuple[int, Any, Any, dict]]:
+    def restore_latest(self, abstract_state) -> tuple[int, Any, Any, dict] | None:
         """Restore the newest checkpoint that reads back whole; None when there is none.
 
         A checkpoint that fails to read (truncated file, bad metadata, missing item) is
@@ -93,14 +97,22 @@ class StageCheckpointer:
         first_error = ""
         for step in reversed(steps):
             try:
-                restored = self.manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state),
-                    data=ocp.args.JsonRestore(),
-                    meta=ocp.args.JsonRestore(),
-                ))
+                restored = self.manager.restore(
+                    step,
+                    args=ocp.args.Composite(
+                        state=ocp.args.StandardRestore(abstract_state),
+                        data=ocp.args.JsonRestore(),
+                        meta=ocp.args.JsonRestore(),
+                    ),
+                )
             except Exception as e:  # Orbax raises many kinds here; any of them means unusable
-                log.error("checkpoint %s/%d is unreadable (%s: %s); falling back to the previous one",
-                          self.directory, step, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                log.error(
+                    "checkpoint %s/%d is unreadable (%s: %s); falling back to the previous one",
+                    self.directory,
+                    step,
+                    type(e).__name__,
+                    str(e).splitlines()[0] if str(e) else "",
+                )
                 self.unreadable.add(step)
                 first_error = first_error or f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 continue
@@ -111,7 +123,8 @@ class StageCheckpointer:
                 "If the model, optimizer or mesh settings changed since they were written, re-launch with the "
                 "settings they were saved with (each checkpoint's meta/ holds its resolved config) or use a new "
                 "run_dir; if the files are damaged, restore a backup or delete the folder to restart the stage "
-                "from its initial weights")
+                "from its initial weights"
+            )
         return None
 
     def close(self) -> None:
@@ -122,11 +135,14 @@ class StageCheckpointer:
 def abstract_like(tree, shardings=None):
     """ShapeDtypeStructs (with shardings, when given) for restoring onto devices."""
     if shardings is None:
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree
+        )
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
 # ---- stage completion markers ----
+
 
 def done_path(stage_dir: str) -> str:
     return os.path.join(stage_dir, "DONE.json")
@@ -155,8 +171,11 @@ def read_done(stage_dir: str) -> dict:
     except (OSError, ValueError) as e:
         raise CheckpointError(
             f"{path} marks the stage finished but cannot be read ({type(e).__name__}: {e}); delete it "
-            "and re-launch: the stage resumes from its last checkpoint and exports again") from e
+            "and re-launch: the stage resumes from its last checkpoint and exports again"
+        ) from e
     if not isinstance(summary, dict):
-        raise CheckpointError(f"{path} holds {type(summary).__name__}, not the stage summary; delete it and "
-                              "re-launch: the stage resumes from its last checkpoint and exports again")
+        raise CheckpointError(
+            f"{path} holds {type(summary).__name__}, not the stage summary; delete it and "
+            "re-launch: the stage resumes from its last checkpoint and exports again"
+        )
     return summary

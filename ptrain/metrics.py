@@ -81,8 +81,12 @@ class ConsoleProgress:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         self._p = Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("{task.fields[info]}"), TimeRemainingColumn(), transient=False,
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeRemainingColumn(),
+            transient=False,
         )
         self._p.start()
         self._task = self._p.add_task(description, total=total, completed=start, info="")
@@ -110,8 +114,11 @@ class MetricsLogger:
         # over (step 0) logs its step-0 data and evaluation records again, so those go too.
         keep_through = start_step if start_step > 0 else -1
         self.jsonl = JsonlSink(os.path.join(stage_dir, "metrics.jsonl")) if cfg.jsonl else None
-        self.tb = (TensorBoardSink(os.path.join(stage_dir, "tensorboard"), purge_step=keep_through + 1)
-                   if cfg.tensorboard else None)
+        self.tb = (
+            TensorBoardSink(os.path.join(stage_dir, "tensorboard"), purge_step=keep_through + 1)
+            if cfg.tensorboard
+            else None
+        )
         self.console = ConsoleProgress(total_steps, start_step, name) if cfg.console else None
         if self.jsonl is not None:
             self.jsonl.truncate_after(keep_through)

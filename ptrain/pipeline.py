@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable
+from collections.abc import Callable
 
 from omegaconf import OmegaConf
 
@@ -84,10 +84,14 @@ def run_pipeline(run: RunConfig) -> dict:
         if init is not None and not os.path.isfile(os.path.join(init, "config.json")):
             raise FileNotFoundError(
                 f"stage '{stage.name}' starts from '{init}', which holds no config.json; "
-                f"run the previous stage first, or set stages[{i}].init to a Hugging Face folder")
+                f"run the previous stage first, or set stages[{i}].init to a Hugging Face folder"
+            )
         os.makedirs(sdir, exist_ok=True)
         OmegaConf.save(OmegaConf.structured(cfg), os.path.join(sdir, "config.yaml"))
-        print(f"ptrain: stage {i + 1}/{len(run.stages)} '{stage.name}' ({stage.kind}) from "
-              f"{init or 'the embedded model'} -> {sdir}", flush=True)
+        print(
+            f"ptrain: stage {i + 1}/{len(run.stages)} '{stage.name}' ({stage.kind}) from "
+            f"{init or 'the embedded model'} -> {sdir}",
+            flush=True,
+        )
         summary = _driver(stage.kind)(cfg, sdir, init)
     return summary

@@ -3,43 +3,28 @@
 XLA reads `XLA_FLAGS` once, when the first backend starts, so this module only edits the
 environment; the CLI and the benchmarks call `tune_xla_cpu()` before any JAX compute.
 
-Why the CPU flag: on jaxlib 0.10 XLA:CPU sends dots to YNNPACK and leaves elementwise
-work to its own loop emitter, which fuses the backward pass's elementwise ops (the SiLU
-gradient, the softmax gradient) into the transposes that feed the weight-gradient dots;
-those strided loops took 1.4 s of a 10 s train step of the 8-layer benchmark model.
-Routing elementwise fusions to YNNPACK and dots to the default library instead measured
-8.1-9.1 s against 10.0-10.5 s for the same step, with the same loss to 7 digits
-(docs/performance.md). The same flag slows the MoE layer's tiled grouped matmuls (536 ->
-654 ms at 16 experts, tools/bench_moe.py) and bfloat16 compute: it moves bfloat16 dots off
-YNNPACK's bf16 kernels (a 4096^2 bf16 matmul with float32 output, 338 against 74 GFLOP/s on
-an AVX-512-bf16 CPU), and the bfloat16 SFT bench step ran 4.75-4.88 s with it against
-4.51-4.54 s without. So it is set for dense float32 models only. Set PTRAIN_XLA_CPU_TUNING=0
-to turn it off; a `ynn_fusion_type` already in XLA_FLAGS is left alone.
+The XLA:CPU flag (`tune_xla_cpu`) routes elementwise fusions to YNNPACK and dots to XLA's
+default library. It helps the dense float32 train step, whose backward pass otherwise runs
+its elementwise work as strided loops fused into transposes; it slows tiled MoE grouped
+matmuls and moves bfloat16 dots off YNNPACK's bf16 kernels. So it is set for dense float32
+models only. PTRAIN_XLA_CPU_TUNING=0 turns it off; a `ynn_fusion_type` already in
+XLA_FLAGS is left alone.
 
-Why the malloc setting: XLA:CPU allocates each execution's temporary buffers in one block
-(308 MB for the 16-expert MoE layer step), which glibc serves with a fresh mmap and
-unmaps afterwards, so every step page-faults the whole block in again at 4 KiB a fault:
-80,000 faults and 0.22 s of kernel time per 0.5 s step (measured with getrusage). With
-`GLIBC_TUNABLES=glibc.malloc.hugetlb=1` (glibc >= 2.35) malloc asks for transparent huge
-pages on those blocks: 2,300 faults a step and the layer alone 15-20% faster (with torch
-in the same process it got slower instead; tools/bench_moe.py says more). glibc reads
-tunables only at process start, so `reexec_with_malloc_tuning()` restarts the process
-once with the variable set; entry points call it first thing. It does nothing where the
-kernel has transparent huge pages off or on for everything, off Linux/glibc, when the
-user set a `glibc.malloc.hugetlb` tunable, or when PTRAIN_MALLOC_TUNING=0.
+The malloc setting (`reexec_with_malloc_tuning`): XLA:CPU allocates each execution's
+temporaries in one large block, which glibc serves with a fresh mmap and unmaps after the
+step, so every step page-faults the block in again at 4 KiB a fault.
+`GLIBC_TUNABLES=glibc.malloc.hugetlb=1` (glibc >= 2.35) asks for transparent huge pages on
+those blocks instead. glibc reads tunables only at process start, so the process restarts
+itself once with the variable set; entry points call this first thing. It does nothing
+where transparent huge pages are off (or on for everything), off Linux/glibc, when the user
+set a `glibc.malloc.hugetlb` tunable, or with PTRAIN_MALLOC_TUNING=0.
 
-PTRAIN_MALLOC_TUNING=retain goes further and keeps the freed block in the process: one
-malloc arena (so worker threads' blocks come from the main heap, not from mmap), no mmap,
-no trimming. The next step then reuses pages that are already faulted in, which removes
-the kernel's zeroing of fresh pages (1.4-2.7 s of kernel CPU per SFT bench step, 9 s per
-DPO step): the SFT bench step ran 6.9-7.0 s against 7.9-9.4 s in interleaved pairs, the
-DPO step 17.5 against 23.6 s. The price is memory: XLA frees a step's block a few
-milliseconds after the step's outputs are ready, so a step dispatched at once cannot reuse
-it and the heap settles at two to three blocks (SFT bench peak RSS 12.0 GiB against 4.7,
-DPO 23.1 against 8.9; with a 5 ms pause between steps the SFT bench stayed at 4.6 GiB). It
-is therefore opt-in, for CPU runs with memory to spare (docs/performance.md, "Page faults").
-Splitting the batch with train.grad_accum shrinks the block instead, and then `retain`
-gained nothing (2 x 512-token micro-batches: 6.55-6.75 s against 6.14-6.20 s without it).
+PTRAIN_MALLOC_TUNING=retain also keeps freed blocks in the process (one arena, no mmap, no
+trimming), so the next step reuses pages already faulted in: faster CPU steps, at two to
+three blocks of peak memory, because XLA frees a step's block only after the next step has
+been dispatched. Opt-in, for CPU runs with memory to spare; splitting the batch with
+train.grad_accum shrinks the block instead. The measurements behind each choice are in
+docs/performance.md ("Page faults", and the SFT step sections).
 """
 
 from __future__ import annotations
@@ -47,7 +32,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
-from typing import Mapping, MutableMapping, Optional
+from collections.abc import Mapping, MutableMapping
 
 CPU_FLAGS = ("--xla_cpu_experimental_ynn_fusion_type=eltwise",)
 # The flag is experimental and XLA aborts the process on an unknown flag, so it is only
@@ -69,8 +54,13 @@ def _jaxlib_version() -> tuple[int, ...]:
     return tuple(parts)
 
 
-def tune_xla_cpu(environ: MutableMapping[str, str] = os.environ, jaxlib_version: tuple[int, ...] | None = None,
-                 *, compute_dtype: str = "float32", moe: bool = False) -> list[str]:
+def tune_xla_cpu(
+    environ: MutableMapping[str, str] = os.environ,
+    jaxlib_version: tuple[int, ...] | None = None,
+    *,
+    compute_dtype: str = "float32",
+    moe: bool = False,
+) -> list[str]:
     """Add the CPU flags to `environ["XLA_FLAGS"]` for a model that computes in
     `compute_dtype` (a config dtype name) and is or is not MoE; returns the flags it added.
     The flags are measured to pay only for dense float32 models (module docstring)."""
@@ -91,8 +81,11 @@ MALLOC_TUNABLE = "glibc.malloc.hugetlb=1"
 # PTRAIN_MALLOC_TUNING=retain: every thread allocates from the main heap, which never
 # shrinks (trim threshold 64 GiB), so a freed step block stays faulted in for the next step.
 RETAIN_TUNABLES = ("glibc.malloc.arena_max=1", "glibc.malloc.mmap_max=0", "glibc.malloc.trim_threshold=68719476736")
-MALLOC_MODES = {"1": "huge pages for large blocks (the default)", "retain": "huge pages and keep freed memory",
-                "0": "glibc's defaults"}
+MALLOC_MODES = {
+    "1": "huge pages for large blocks (the default)",
+    "retain": "huge pages and keep freed memory",
+    "0": "glibc's defaults",
+}
 THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
@@ -104,7 +97,7 @@ def _thp_mode() -> str:
     except OSError:
         return ""
     start, end = text.find("["), text.find("]")
-    return text[start + 1:end] if 0 <= start < end else ""
+    return text[start + 1 : end] if 0 <= start < end else ""
 
 
 def _glibc_version() -> tuple[int, ...]:
@@ -119,9 +112,12 @@ def _glibc_version() -> tuple[int, ...]:
 
 
 def malloc_tuning_env(
-    environ: Mapping[str, str] = os.environ, *, system: Optional[str] = None,
-    glibc_version: Optional[tuple[int, ...]] = None, thp_mode: Optional[str] = None,
-) -> Optional[dict[str, str]]:
+    environ: Mapping[str, str] = os.environ,
+    *,
+    system: str | None = None,
+    glibc_version: tuple[int, ...] | None = None,
+    thp_mode: str | None = None,
+) -> dict[str, str] | None:
     """The environment to restart with (`environ` plus the malloc tunables), or None when
     restarting would change nothing (see the module docstring for the cases).
 
@@ -138,8 +134,11 @@ def malloc_tuning_env(
     current = environ.get("GLIBC_TUNABLES", "")
     wanted = []
     # "always" already backs these blocks with huge pages; "never" makes the tunable moot.
-    if glibc >= (2, 35) and "glibc.malloc.hugetlb" not in current and \
-            (thp_mode if thp_mode is not None else _thp_mode()) == "madvise":
+    if (
+        glibc >= (2, 35)
+        and "glibc.malloc.hugetlb" not in current
+        and (thp_mode if thp_mode is not None else _thp_mode()) == "madvise"
+    ):
         wanted.append(MALLOC_TUNABLE)
     if mode == "retain" and glibc >= (2, 26):  # GLIBC_TUNABLES arrived in 2.26
         wanted += [t for t in RETAIN_TUNABLES if t.partition("=")[0] not in current]

@@ -8,7 +8,8 @@ import os
 import pathlib
 
 _CACHE = os.environ.setdefault(
-    "JAX_COMPILATION_CACHE_DIR", str(pathlib.Path(__file__).resolve().parent.parent / ".jax_cache"))
+    "JAX_COMPILATION_CACHE_DIR", str(pathlib.Path(__file__).resolve().parent.parent / ".jax_cache")
+)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 

@@ -20,9 +20,9 @@ from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ptrain.runtime import reexec_with_malloc_tuning, tune_xla_cpu
 from ptrain.config import DPOAlgoConfig, OptimConfig  # noqa: E402
 from ptrain.models import Decoder  # noqa: E402
+from ptrain.runtime import reexec_with_malloc_tuning, tune_xla_cpu
 from ptrain.train.objectives import dpo_denominator, make_dpo_objective  # noqa: E402
 from ptrain.train.optim import make_optimizer  # noqa: E402
 from ptrain.train.state import init_train_state, split_model  # noqa: E402
@@ -37,9 +37,15 @@ def preference_batch(pairs: int, seq: int, vocab: int, prompt: int) -> dict:
         ids = rng.integers(0, vocab, (pairs, seq + 1)).astype(np.int32)
         mask = np.zeros((pairs, seq), np.float32)
         mask[:, prompt:] = 1.0
-        out.update({f"{side}_input_ids": ids[:, :-1], f"{side}_target_ids": ids[:, 1:], f"{side}_loss_mask": mask,
-                    f"{side}_segment_ids": np.ones((pairs, seq), np.int32),
-                    f"{side}_positions": np.broadcast_to(np.arange(seq, dtype=np.int32), (pairs, seq)).copy()})
+        out.update(
+            {
+                f"{side}_input_ids": ids[:, :-1],
+                f"{side}_target_ids": ids[:, 1:],
+                f"{side}_loss_mask": mask,
+                f"{side}_segment_ids": np.ones((pairs, seq), np.int32),
+                f"{side}_positions": np.broadcast_to(np.arange(seq, dtype=np.int32), (pairs, seq)).copy(),
+            }
+        )
     return out
 
 
@@ -51,18 +57,28 @@ def bench(args) -> dict:
     step = jax.jit(make_train_step(objective, dpo_denominator, tx, lr, grad_accum=args.grad_accum), donate_argnums=(0,))
     batch = preference_batch(args.batch, args.seq, args.vocab, args.seq // 4)
     if args.precompute:
-        batch.update(ref_chosen_logps=np.full(args.batch, -900.0, np.float32),
-                     ref_rejected_logps=np.full(args.batch, -900.0, np.float32))
+        batch.update(
+            ref_chosen_logps=np.full(args.batch, -900.0, np.float32),
+            ref_rejected_logps=np.full(args.batch, -900.0, np.float32),
+        )
         state = init_train_state(params, tx, seed=0, model_state=rest)
     else:
         state = init_train_state(params, tx, seed=0, model_state=rest, ref_params=jax.tree.map(np.array, params))
     usage: dict = {}
-    compile_s, step_s, _, m = time_steps(step, state, jax.device_put(batch), args.warmup, args.steps, usage,
-                                         args.pause_ms / 1000)
-    return {"pairs": args.batch, "grad_accum": args.grad_accum, "seq": args.seq,
-            "reference": "precomputed" if args.precompute else "in step",
-            "compile_s": round(compile_s, 1), "step_s_median": round(step_s, 3),
-            "tokens_per_s": round(2 * args.batch * args.seq / step_s, 1), "loss": round(float(m["loss"]), 4), **usage}
+    compile_s, step_s, _, m = time_steps(
+        step, state, jax.device_put(batch), args.warmup, args.steps, usage, args.pause_ms / 1000
+    )
+    return {
+        "pairs": args.batch,
+        "grad_accum": args.grad_accum,
+        "seq": args.seq,
+        "reference": "precomputed" if args.precompute else "in step",
+        "compile_s": round(compile_s, 1),
+        "step_s_median": round(step_s, 3),
+        "tokens_per_s": round(2 * args.batch * args.seq / step_s, 1),
+        "loss": round(float(m["loss"]), 4),
+        **usage,
+    }
 
 
 def main(argv=None):

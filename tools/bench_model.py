@@ -31,11 +31,34 @@ from flax import nnx
 from ptrain.config.model import ModelConfig
 from ptrain.models import Decoder, generate, save_hf
 
-DENSE = ModelConfig(family="qwen3", vocab_size=4096, d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=64,
-                    d_ff=1536, max_seq_len=1024, tie_embeddings=False)
-MOE = ModelConfig(family="qwen3_moe", vocab_size=4096, d_model=512, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=64,
-                  d_ff=1536, n_experts=16, top_k=4, d_ff_expert=256, norm_topk_prob=True, max_seq_len=1024,
-                  tie_embeddings=False)
+DENSE = ModelConfig(
+    family="qwen3",
+    vocab_size=4096,
+    d_model=512,
+    n_layers=8,
+    n_heads=8,
+    n_kv_heads=4,
+    head_dim=64,
+    d_ff=1536,
+    max_seq_len=1024,
+    tie_embeddings=False,
+)
+MOE = ModelConfig(
+    family="qwen3_moe",
+    vocab_size=4096,
+    d_model=512,
+    n_layers=4,
+    n_heads=8,
+    n_kv_heads=4,
+    head_dim=64,
+    d_ff=1536,
+    n_experts=16,
+    top_k=4,
+    d_ff_expert=256,
+    norm_topk_prob=True,
+    max_seq_len=1024,
+    tie_embeddings=False,
+)
 
 
 def _median_time(fn, steps: int) -> float:
@@ -87,8 +110,9 @@ def jax_decode_time(cfg: ModelConfig, B: int, P: int, N: int, steps: int) -> flo
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     prompts = _batch(cfg, B, P, seed=1).tolist()
     keys = iter(jax.random.split(jax.random.key(0), steps + 1))
-    return _median_time(lambda: generate(model, prompts, max_new_tokens=N, temperature=1.0, rng=next(keys),
-                                         prompt_bucket=P), steps)
+    return _median_time(
+        lambda: generate(model, prompts, max_new_tokens=N, temperature=1.0, rng=next(keys), prompt_bucket=P), steps
+    )
 
 
 # ----------------------------------------------------------------------------- transformers
@@ -132,8 +156,18 @@ def torch_decode_time(cfg: ModelConfig, B: int, P: int, N: int, steps: int) -> f
 
     def run():
         with torch.no_grad():
-            tm.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                        max_new_tokens=N, min_new_tokens=N, use_cache=True, pad_token_id=0)
+            tm.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=N,
+                min_new_tokens=N,
+                use_cache=True,
+                pad_token_id=0,
+            )
 
     return _median_time(run, steps)
 
@@ -143,8 +177,12 @@ def torch_decode_time(cfg: ModelConfig, B: int, P: int, N: int, steps: int) -> f
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=["train_dense", "train_moe", "decode"], action="append",
-                    help="run only these benchmarks (repeatable); default: all")
+    ap.add_argument(
+        "--only",
+        choices=["train_dense", "train_moe", "decode"],
+        action="append",
+        help="run only these benchmarks (repeatable); default: all",
+    )
     ap.add_argument("--steps", type=int, default=3, help="timed repetitions per measurement (median reported)")
     ap.add_argument("--no-torch", action="store_true", help="skip the transformers side")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")

@@ -38,15 +38,14 @@ import sys
 import time
 
 if __name__ == "__main__" and "--single-thread" in sys.argv:  # must precede the jax import
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1").strip()
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    ).strip()
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from ptrain.kernels import moe
-
 
 CLOCK = time.perf_counter
 
@@ -80,8 +79,11 @@ def jax_layer(kind: str, top_k: int):
         r = moe.route(x @ w_router, top_k=top_k)
         if kind == "dense":
             E = w_gate.shape[0]
-            combine_TxE = jnp.zeros((x.shape[0], E), x.dtype).at[jnp.arange(x.shape[0])[:, None], r.expert_ids_Txk].add(
-                r.weights_Txk)
+            combine_TxE = (
+                jnp.zeros((x.shape[0], E), x.dtype)
+                .at[jnp.arange(x.shape[0])[:, None], r.expert_ids_Txk]
+                .add(r.weights_Txk)
+            )
             h = jax.nn.silu(jnp.einsum("td,edf->tef", x, w_gate)) * jnp.einsum("td,edf->tef", x, w_up)
             return jnp.einsum("tef,efd,te->td", h, w_down, combine_TxE)
         impl = {"ptrain": "xla", "ragged_dot": "ragged_dot"}[kind]
@@ -105,8 +107,14 @@ def torch_layer(p, top_k):
 
     T, D = p["x"].shape
     E, _, F = p["w_gate"].shape
-    cfg = Qwen3MoeConfig(hidden_size=D, moe_intermediate_size=F, num_experts=E, num_experts_per_tok=top_k,
-                         norm_topk_prob=True, hidden_act="silu")
+    cfg = Qwen3MoeConfig(
+        hidden_size=D,
+        moe_intermediate_size=F,
+        num_experts=E,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=True,
+        hidden_act="silu",
+    )
     block = Qwen3MoeSparseMoeBlock(cfg)
     with torch.no_grad():
         block.gate.weight.copy_(torch.from_numpy(np.asarray(p["w_router"]).T.copy()))
@@ -145,7 +153,7 @@ def bench_shape(T, D, F, E, k, repeats, skip, max_gb):
         if gb > max_gb:
             print(f"  {kind}: skipped, needs about {gb:.1f} GB (> --max-gb {max_gb})")
             continue
-        runs[kind] = (lambda r: (lambda: r(p)))(jax_layer(kind, k))
+        runs[kind] = (lambda r: lambda: r(p))(jax_layer(kind, k))
     if "torch" not in skip:
         runs["torch"] = torch_layer(p, k)
     for fn in runs.values():
@@ -163,8 +171,16 @@ def bench_shape(T, D, F, E, k, repeats, skip, max_gb):
     rows = []
     for name, ts in times.items():
         best, med = min(ts) * 1e3, statistics.median(ts) * 1e3
-        rows.append(dict(name=name, best_ms=best, median_ms=med, gflops=flops / (best / 1e3) / 1e9,
-                         pct_peak=100 * flops / (best / 1e3) / 1e9 / peak, x_roofline=best / roofline_ms))
+        rows.append(
+            dict(
+                name=name,
+                best_ms=best,
+                median_ms=med,
+                gflops=flops / (best / 1e3) / 1e9,
+                pct_peak=100 * flops / (best / 1e3) / 1e9 / peak,
+                x_roofline=best / roofline_ms,
+            )
+        )
     torch_best = next((r["best_ms"] for r in rows if r["name"] == "torch"), None)
     for r in rows:
         r["speedup_vs_torch"] = torch_best / r["best_ms"] if torch_best else float("nan")
@@ -198,16 +214,21 @@ def main():
     print(f"jax {jax.__version__}, torch {torch.__version__ if 'torch' not in args.skip else '-'}, {mode}")
     for E, k in zip(args.experts, args.top_k):
         load = os.getloadavg()[0]
-        rows, roofline_ms, flops, peak = bench_shape(args.tokens, args.d_model, args.d_ff, E, k, args.repeats,
-                                                     args.skip, args.max_gb)
-        print(f"\nT={args.tokens} d={args.d_model} f={args.d_ff} E={E} top-{k}: {flops / 1e9:.1f} GFLOP active "
-              f"(fwd+bwd); matmul peak {peak:.0f} GFLOP/s (float32 4096^3 jnp.dot, interleaved) -> roofline "
-              f"{roofline_ms:.0f} ms; load average {load:.1f} -> {os.getloadavg()[0]:.1f}")
+        rows, roofline_ms, flops, peak = bench_shape(
+            args.tokens, args.d_model, args.d_ff, E, k, args.repeats, args.skip, args.max_gb
+        )
+        print(
+            f"\nT={args.tokens} d={args.d_model} f={args.d_ff} E={E} top-{k}: {flops / 1e9:.1f} GFLOP active "
+            f"(fwd+bwd); matmul peak {peak:.0f} GFLOP/s (float32 4096^3 jnp.dot, interleaved) -> roofline "
+            f"{roofline_ms:.0f} ms; load average {load:.1f} -> {os.getloadavg()[0]:.1f}"
+        )
         print("| variant | best ms | median ms | GFLOP/s | % peak | x roofline | speed-up vs torch |")
         print("|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['name']} | {r['best_ms']:.0f} | {r['median_ms']:.0f} | {r['gflops']:.0f} | {r['pct_peak']:.0f}% "
-                  f"| {r['x_roofline']:.2f} | {r['speedup_vs_torch']:.2f} |")
+            print(
+                f"| {r['name']} | {r['best_ms']:.0f} | {r['median_ms']:.0f} | {r['gflops']:.0f} | {r['pct_peak']:.0f}% "
+                f"| {r['x_roofline']:.2f} | {r['speedup_vs_torch']:.2f} |"
+            )
 
 
 if __name__ == "__main__":

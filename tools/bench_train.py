@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
+import sys
 import time
 
 import jax
@@ -23,14 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import os
-import sys
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ptrain.runtime import reexec_with_malloc_tuning, tune_xla_cpu
 from ptrain.config import ModelConfig, OptimConfig, SFTAlgoConfig, TrainConfig
 from ptrain.models import Decoder, flops_per_token
+from ptrain.runtime import reexec_with_malloc_tuning, tune_xla_cpu
 from ptrain.train.objectives import make_sft_objective, sft_denominator
 from ptrain.train.optim import make_optimizer
 from ptrain.train.state import init_train_state, split_model
@@ -58,17 +57,36 @@ def best_matmul_peak(n: int) -> float:
     faster but a lone square matmul slower; MFU is against the machine's best matmul.
     """
     in_process = matmul_peak(n)
-    env = dict(os.environ, PTRAIN_XLA_CPU_TUNING="0",
-               XLA_FLAGS=" ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "ynn_fusion_type" not in f))
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--peak-only", "--peak-n", str(n)],
-                         env=env, capture_output=True, text=True, check=True).stdout
+    env = dict(
+        os.environ,
+        PTRAIN_XLA_CPU_TUNING="0",
+        XLA_FLAGS=" ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "ynn_fusion_type" not in f),
+    )
+    out = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--peak-only", "--peak-n", str(n)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return max(in_process, float(out.strip().splitlines()[-1]))
 
 
 def model_config(args) -> ModelConfig:
-    return ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
-                       n_kv_heads=args.kv_heads, head_dim=args.head_dim, d_ff=args.d_ff, max_seq_len=args.seq,
-                       qk_norm=True, tie_embeddings=False, dtype=args.dtype, remat=args.remat)
+    return ModelConfig(
+        vocab_size=args.vocab,
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        d_ff=args.d_ff,
+        max_seq_len=args.seq,
+        qk_norm=True,
+        tie_embeddings=False,
+        dtype=args.dtype,
+        remat=args.remat,
+    )
 
 
 def time_steps(step, state, batch, warmup: int, steps: int, usage: dict | None = None, pause_s: float = 0.0):
@@ -96,12 +114,13 @@ def time_steps(step, state, batch, warmup: int, steps: int, usage: dict | None =
         time.sleep(pause_s)
     after = resource.getrusage(resource.RUSAGE_SELF)
     if usage is not None:
-        usage.update(user_cpu_s_per_step=round((after.ru_utime - before.ru_utime) / steps, 2),
-                     sys_cpu_s_per_step=round((after.ru_stime - before.ru_stime) / steps, 2),
-                     minor_faults_per_step=(after.ru_minflt - before.ru_minflt) // steps,
-                     context_switches_per_step=(after.ru_nvcsw + after.ru_nivcsw
-                                                - before.ru_nvcsw - before.ru_nivcsw) // steps,
-                     max_rss_gib=round(after.ru_maxrss / 2**20, 2))
+        usage.update(
+            user_cpu_s_per_step=round((after.ru_utime - before.ru_utime) / steps, 2),
+            sys_cpu_s_per_step=round((after.ru_stime - before.ru_stime) / steps, 2),
+            minor_faults_per_step=(after.ru_minflt - before.ru_minflt) // steps,
+            context_switches_per_step=(after.ru_nvcsw + after.ru_nivcsw - before.ru_nvcsw - before.ru_nivcsw) // steps,
+            max_rss_gib=round(after.ru_maxrss / 2**20, 2),
+        )
     return compile_s, statistics.median(times), state, m
 
 
@@ -111,29 +130,43 @@ def bench(args) -> dict:
     tx, lr = make_optimizer(OptimConfig(lr=1e-4, schedule="constant"), 1000)
     algo = SFTAlgoConfig()
     objective = make_sft_objective(model_def, algo, vocab_chunk=args.vocab_chunk)
-    step = jax.jit(make_train_step(objective, sft_denominator(algo, 1.0), tx, lr, grad_accum=args.grad_accum),
-                   donate_argnums=(0,))
+    step = jax.jit(
+        make_train_step(objective, sft_denominator(algo, 1.0), tx, lr, grad_accum=args.grad_accum), donate_argnums=(0,)
+    )
     state = init_train_state(params, tx, seed=0, model_state=rest)
     rng = np.random.default_rng(0)
     B, L = args.batch, args.seq
     ids = rng.integers(0, args.vocab, (B, L + 1)).astype(np.int32)
-    batch = dict(input_ids=ids[:, :-1], target_ids=ids[:, 1:], loss_mask=np.ones((B, L), np.float32),
-                 segment_ids=np.ones((B, L), np.int32), positions=np.broadcast_to(np.arange(L, dtype=np.int32), (B, L)))
+    batch = dict(
+        input_ids=ids[:, :-1],
+        target_ids=ids[:, 1:],
+        loss_mask=np.ones((B, L), np.float32),
+        segment_ids=np.ones((B, L), np.int32),
+        positions=np.broadcast_to(np.arange(L, dtype=np.int32), (B, L)),
+    )
     usage: dict = {}
-    compile_s, step_s, state, m = time_steps(step, state, jax.device_put(batch), args.warmup, args.steps, usage,
-                                                   args.pause_ms / 1000)
+    compile_s, step_s, state, m = time_steps(
+        step, state, jax.device_put(batch), args.warmup, args.steps, usage, args.pause_ms / 1000
+    )
     tokens_per_s = B * L / step_s
     peak = best_matmul_peak(args.peak_n)
     fpt = flops_per_token(cfg, L)
     return {
         "params_M": round(sum(x.size for x in jax.tree.leaves(params)) / 1e6, 2),
-        "batch": f"{B}x{L}", "grad_accum": args.grad_accum, "vocab_chunk": args.vocab_chunk, "dtype": args.dtype,
+        "batch": f"{B}x{L}",
+        "grad_accum": args.grad_accum,
+        "vocab_chunk": args.vocab_chunk,
+        "dtype": args.dtype,
         "compile_s": round(compile_s, 1),
-        "step_s_median": round(step_s, 3), "tokens_per_s": round(tokens_per_s, 1),
+        "step_s_median": round(step_s, 3),
+        "tokens_per_s": round(tokens_per_s, 1),
         "train_gflop_per_token": round(fpt / 1e9, 4),
-        "achieved_gflops": round(tokens_per_s * fpt / 1e9, 1), "matmul_peak_gflops": round(peak / 1e9, 1),
-        "mfu": round(tokens_per_s * fpt / peak, 3), "final_loss": round(float(m["loss"]), 4),
-        "devices": str(jax.devices()[0].platform), **usage,
+        "achieved_gflops": round(tokens_per_s * fpt / 1e9, 1),
+        "matmul_peak_gflops": round(peak / 1e9, 1),
+        "mfu": round(tokens_per_s * fpt / peak, 3),
+        "final_loss": round(float(m["loss"]), 4),
+        "devices": str(jax.devices()[0].platform),
+        **usage,
     }
 
 
@@ -149,9 +182,13 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (a scan inside the step)")
     ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--vocab-chunk", type=int, default=TrainConfig().vocab_chunk,
-                    help="train.vocab_chunk (default: the CLI's); 0 reads full logits, N > 0 walks the "
-                         "vocabulary N columns at a time")
+    ap.add_argument(
+        "--vocab-chunk",
+        type=int,
+        default=TrainConfig().vocab_chunk,
+        help="train.vocab_chunk (default: the CLI's); 0 reads full logits, N > 0 walks the "
+        "vocabulary N columns at a time",
+    )
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--remat", default="none")
     ap.add_argument("--warmup", type=int, default=2)
@@ -163,7 +200,9 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
-    ap.add_argument("--peak-only", action="store_true", help="print the matmul peak (FLOP/s) under the current flags and exit")
+    ap.add_argument(
+        "--peak-only", action="store_true", help="print the matmul peak (FLOP/s) under the current flags and exit"
+    )
     args = ap.parse_args(argv)
     if args.peak_only:
         print(matmul_peak(args.peak_n))

@@ -47,7 +47,11 @@ class Block(nn.Module):
         self.attn_norm, self.mlp_norm, self.q_norm, self.k_norm = RMSNorm(D), RMSNorm(D), RMSNorm(Dh), RMSNorm(Dh)
         self.q, self.k, self.v = (nn.Linear(D, n * Dh, bias=False) for n in (H, K, K))
         self.o = nn.Linear(H * Dh, D, bias=False)
-        self.gate, self.up, self.down = nn.Linear(D, F_, bias=False), nn.Linear(D, F_, bias=False), nn.Linear(F_, D, bias=False)
+        self.gate, self.up, self.down = (
+            nn.Linear(D, F_, bias=False),
+            nn.Linear(D, F_, bias=False),
+            nn.Linear(F_, D, bias=False),
+        )
 
     def forward(self, x, cos, sin):
         B, L, _ = x.shape
@@ -84,8 +88,19 @@ class Decoder(nn.Module):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for name, default in [("layers", 8), ("d-model", 512), ("heads", 8), ("kv-heads", 4), ("head-dim", 64),
-                          ("d-ff", 1536), ("vocab", 4096), ("batch", 8), ("seq", 512), ("warmup", 1), ("steps", 5)]:
+    for name, default in [
+        ("layers", 8),
+        ("d-model", 512),
+        ("heads", 8),
+        ("kv-heads", 4),
+        ("head-dim", 64),
+        ("d-ff", 1536),
+        ("vocab", 4096),
+        ("batch", 8),
+        ("seq", 512),
+        ("warmup", 1),
+        ("steps", 5),
+    ]:
         ap.add_argument(f"--{name}", type=int, default=default)
     a = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -104,8 +119,18 @@ def main(argv=None):
         if i >= a.warmup:
             times.append(time.perf_counter() - t)
     step = statistics.median(times)
-    print(json.dumps({"batch": f"{a.batch}x{a.seq}", "threads": torch.get_num_threads(), "step_s_median": round(step, 3),
-                      "tokens_per_s": round(a.batch * a.seq / step, 1), "final_loss": round(float(loss.detach()), 4)}, indent=2))
+    print(
+        json.dumps(
+            {
+                "batch": f"{a.batch}x{a.seq}",
+                "threads": torch.get_num_threads(),
+                "step_s_median": round(step, 3),
+                "tokens_per_s": round(a.batch * a.seq / step, 1),
+                "final_loss": round(float(loss.detach()), 4),
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -25,8 +25,19 @@ import time
 TOOLS = os.path.dirname(os.path.abspath(__file__))
 # The flags both benchmarks take: the model and batch, and the warm-up and timed
 # steps used for every interleaved figure in docs/performance.md.
-SHARED_FLAGS = {"layers": 8, "d-model": 512, "heads": 8, "kv-heads": 4, "head-dim": 64, "d-ff": 1536,
-               "vocab": 4096, "batch": 8, "seq": 512, "warmup": 3, "steps": 5}
+SHARED_FLAGS = {
+    "layers": 8,
+    "d-model": 512,
+    "heads": 8,
+    "kv-heads": 4,
+    "head-dim": 64,
+    "d-ff": 1536,
+    "vocab": 4096,
+    "batch": 8,
+    "seq": 512,
+    "warmup": 3,
+    "steps": 5,
+}
 
 
 def run_json(argv: list[str], extra_env: dict | None = None) -> dict:
@@ -39,18 +50,26 @@ def run_json(argv: list[str], extra_env: dict | None = None) -> dict:
     if out.returncode != 0:
         raise SystemExit(f"{' '.join(argv)} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
     text = out.stdout
-    return json.loads(text[text.index("{"):])
+    return json.loads(text[text.index("{") :])
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--grad-accum", type=int, nargs="+", default=[4],
-                    help="micro-batch splits of ptrain's step to time in every round")
+    ap.add_argument(
+        "--grad-accum",
+        type=int,
+        nargs="+",
+        default=[4],
+        help="micro-batch splits of ptrain's step to time in every round",
+    )
     ap.add_argument("--peak-n", type=int, default=4096, help="bench_train.py's matmul size for the MFU peak")
-    ap.add_argument("--untuned", action="store_true",
-                    help="also time each split without ptrain's XLA:CPU flag (PTRAIN_XLA_CPU_TUNING=0), "
-                         "reported as gaN_untuned: the flag's worth on this CPU, in the same rounds")
+    ap.add_argument(
+        "--untuned",
+        action="store_true",
+        help="also time each split without ptrain's XLA:CPU flag (PTRAIN_XLA_CPU_TUNING=0), "
+        "reported as gaN_untuned: the flag's worth on this CPU, in the same rounds",
+    )
     for name, default in SHARED_FLAGS.items():
         ap.add_argument(f"--{name}", type=int, default=default)
     args = ap.parse_args(argv)
@@ -65,19 +84,27 @@ def main(argv=None) -> int:
     for r in range(1, args.rounds + 1):
         row: dict = {"round": r, "started": time.strftime("%H:%M:%S")}
         for label, ga, extra_env in runs:
-            res = run_json([os.path.join(TOOLS, "bench_train.py"), *shared, "--grad-accum", str(ga),
-                            "--peak-n", str(args.peak_n)], extra_env)
-            row[f"ptrain_{label}"] = {k: res[k] for k in ("step_s_median", "tokens_per_s", "mfu", "max_rss_gib") if k in res}
+            res = run_json(
+                [os.path.join(TOOLS, "bench_train.py"), *shared, "--grad-accum", str(ga), "--peak-n", str(args.peak_n)],
+                extra_env,
+            )
+            row[f"ptrain_{label}"] = {
+                k: res[k] for k in ("step_s_median", "tokens_per_s", "mfu", "max_rss_gib") if k in res
+            }
         torch_res = run_json([os.path.join(TOOLS, "bench_train_torch.py"), *shared])
         row["torch"] = {k: torch_res[k] for k in ("step_s_median", "tokens_per_s")}
         for label, _, _ in runs:
             row[f"ratio_{label}"] = round(torch_res["step_s_median"] / row[f"ptrain_{label}"]["step_s_median"], 3)
         rounds.append(row)
-        cells = "  ".join(f"{label} {row[f'ptrain_{label}']['step_s_median']:.3f} s ({row[f'ratio_{label}']:.2f}x)"
-                          for label, _, _ in runs)
+        cells = "  ".join(
+            f"{label} {row[f'ptrain_{label}']['step_s_median']:.3f} s ({row[f'ratio_{label}']:.2f}x)"
+            for label, _, _ in runs
+        )
         print(f"round {r} ({row['started']}): {cells}  torch {torch_res['step_s_median']:.3f} s", flush=True)
-    summary = {f"median_ratio_{label}": round(statistics.median(row[f"ratio_{label}"] for row in rounds), 3)
-               for label, _, _ in runs}
+    summary = {
+        f"median_ratio_{label}": round(statistics.median(row[f"ratio_{label}"] for row in rounds), 3)
+        for label, _, _ in runs
+    }
     print(json.dumps({**summary, "rounds": rounds}))
     return 0
 

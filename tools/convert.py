@@ -24,8 +24,13 @@ from flax import nnx
 from ptrain.config.model import ModelConfig
 from ptrain.models import Decoder, load_hf, save_hf
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 
 
 def hf_to_orbax(hf_folder: str, orbax_dir: str, **overrides) -> ModelConfig:

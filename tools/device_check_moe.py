@@ -24,7 +24,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from ptrain.kernels import moe
 from ptrain.kernels.moe import expert_parallel, reference
 
@@ -57,8 +56,12 @@ def _bench(fn, *args, iters=20):
 def check_correctness(impls, failures):
     M, K, N, G = 1024, 256, 384, 8
     ks = jax.random.split(jax.random.PRNGKey(0), 3)
-    cases = {"ragged": [300, 0, 5, 200, 0, 129, 250, 140], "one_group": [0, 0, 0, 1024, 0, 0, 0, 0],
-             "short": [7, 0, 0, 33, 0, 0, 0, 1], "empty": [0] * 8}
+    cases = {
+        "ragged": [300, 0, 5, 200, 0, 129, 250, 140],
+        "one_group": [0, 0, 0, 1024, 0, 0, 0, 0],
+        "short": [7, 0, 0, 33, 0, 0, 0, 1],
+        "empty": [0] * 8,
+    }
     for dtype in (jnp.float32, jnp.bfloat16):
         lhs = jax.random.normal(ks[0], (M, K)).astype(dtype)
         rhs = (jax.random.normal(ks[1], (G, K, N)) / 16).astype(dtype)
@@ -68,6 +71,7 @@ def check_correctness(impls, failures):
         def vg(fn):
             def f(lhs, rhs, gs):
                 return jnp.sum(fn(lhs, rhs, gs).astype(jnp.float32) * cot)
+
             return jax.jit(lambda l, r, g: (fn(l, r, g), jax.grad(f, (0, 1))(l, r, g)))
 
         ref = vg(reference.grouped_matmul)
@@ -82,8 +86,11 @@ def check_correctness(impls, failures):
                     finite = bool(np.all(np.isfinite(a)))
                     errs[part] = float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-6)) if finite else float("inf")
                 ok = max(errs.values()) < tol
-                print(f"  gmm {impl:12s} {jnp.dtype(dtype).name:8s} {name:9s} rel err "
-                      + " ".join(f"{p} {e:.1e}" for p, e in errs.items()) + (" ok" if ok else " FAIL"))
+                print(
+                    f"  gmm {impl:12s} {jnp.dtype(dtype).name:8s} {name:9s} rel err "
+                    + " ".join(f"{p} {e:.1e}" for p, e in errs.items())
+                    + (" ok" if ok else " FAIL")
+                )
                 if not ok:
                     failures.append(f"gmm {impl} {jnp.dtype(dtype).name} {name} {errs}")
     # moe_ffn end to end, and the expert-parallel path with the real ragged_all_to_all.
@@ -103,7 +110,8 @@ def check_correctness(impls, failures):
     # XLA:CPU has no ragged_all_to_all; on GPU/TPU this runs the real collective.
     if jax.default_backend() != "cpu" and E % jax.device_count() == 0 and T % jax.device_count() == 0:
         variants[f"ep{jax.device_count()}_ragged"] = lambda *a: expert_parallel.moe_ffn_ep(
-            *a, mesh=mesh, expert_axis="expert", implementation=impls[0], exchange="ragged")
+            *a, mesh=mesh, expert_axis="expert", implementation=impls[0], exchange="ragged"
+        )
     for name, fn in variants.items():
         try:
             got = jax.jit(jax.value_and_grad(lambda *w, fn=fn: loss(fn, *w), argnums=(0, 1, 2)))(wg, wu, wd)
@@ -134,21 +142,30 @@ def bench_speed(impl, results):
     flops = 2 * ROWS * D_MODEL * D_FF
     w_dense = jax.random.normal(jax.random.PRNGKey(2), (D_MODEL, D_FF), jnp.bfloat16)
     dense_f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
-    dense_fb = jax.jit(jax.value_and_grad(
-        lambda a, b, d: jnp.sum((a @ b).astype(jnp.float32) * d.astype(jnp.float32)), argnums=(0, 1)))
+    dense_fb = jax.jit(
+        jax.value_and_grad(lambda a, b, d: jnp.sum((a @ b).astype(jnp.float32) * d.astype(jnp.float32)), argnums=(0, 1))
+    )
     t_dense_f = _bench(dense_f, lhs, w_dense)
     t_dense_fb = _bench(dense_fb, lhs, w_dense, dout)
-    print(f"  dense bf16 {ROWS}x{D_MODEL}x{D_FF}: fwd {flops / t_dense_f / 1e12:.0f} TFLOP/s, "
-          f"fwd+bwd {3 * flops / t_dense_fb / 1e12:.0f} TFLOP/s")
+    print(
+        f"  dense bf16 {ROWS}x{D_MODEL}x{D_FF}: fwd {flops / t_dense_f / 1e12:.0f} TFLOP/s, "
+        f"fwd+bwd {3 * flops / t_dense_fb / 1e12:.0f} TFLOP/s"
+    )
     for E in (8, 64):
         gs = group_sizes_for(E, ROWS)
         rhs = (jax.random.normal(jax.random.PRNGKey(3), (E, D_MODEL, D_FF)) / 32).astype(jnp.bfloat16)
         best = None
         for tiling in TILINGS.get(impl, [None]):
             f = jax.jit(lambda a, b, g, t=tiling: moe.grouped_matmul(a, b, g, implementation=impl, tiling=t))
-            fb = jax.jit(jax.value_and_grad(lambda a, b, g, d, t=tiling: jnp.sum(
-                moe.grouped_matmul(a, b, g, implementation=impl, tiling=t).astype(jnp.float32)
-                * d.astype(jnp.float32)), argnums=(0, 1)))
+            fb = jax.jit(
+                jax.value_and_grad(
+                    lambda a, b, g, d, t=tiling: jnp.sum(
+                        moe.grouped_matmul(a, b, g, implementation=impl, tiling=t).astype(jnp.float32)
+                        * d.astype(jnp.float32)
+                    ),
+                    argnums=(0, 1),
+                )
+            )
             try:
                 t_f, t_fb = _bench(f, lhs, rhs, gs), _bench(fb, lhs, rhs, gs, dout)
             except Exception as e:
@@ -160,11 +177,17 @@ def bench_speed(impl, results):
         if best is None:
             continue
         tiling, t_f, t_fb = best
-        results.append(dict(
-            impl=impl, experts=E, tiling=tiling,
-            fwd_tflops=flops / t_f / 1e12, fwd_pct_dense=100 * t_dense_f / t_f,
-            fwdbwd_tflops=3 * flops / t_fb / 1e12, fwdbwd_pct_dense=100 * t_dense_fb / t_fb,
-        ))
+        results.append(
+            dict(
+                impl=impl,
+                experts=E,
+                tiling=tiling,
+                fwd_tflops=flops / t_f / 1e12,
+                fwd_pct_dense=100 * t_dense_f / t_f,
+                fwdbwd_tflops=3 * flops / t_fb / 1e12,
+                fwdbwd_pct_dense=100 * t_dense_fb / t_fb,
+            )
+        )
 
 
 def main():
@@ -190,8 +213,10 @@ def main():
         print("\n| implementation | experts | tiling | fwd TFLOP/s | fwd % dense | fwd+bwd TFLOP/s | fwd+bwd % dense |")
         print("|---|---|---|---|---|---|---|")
         for r in results:
-            print(f"| {r['impl']} | {r['experts']} | {r['tiling']} | {r['fwd_tflops']:.0f} | {r['fwd_pct_dense']:.0f}% "
-                  f"| {r['fwdbwd_tflops']:.0f} | {r['fwdbwd_pct_dense']:.0f}% |")
+            print(
+                f"| {r['impl']} | {r['experts']} | {r['tiling']} | {r['fwd_tflops']:.0f} | {r['fwd_pct_dense']:.0f}% "
+                f"| {r['fwdbwd_tflops']:.0f} | {r['fwdbwd_pct_dense']:.0f}% |"
+            )
     print(f"\n{len(failures)} failures; {time.time() - t0:.0f} s")
     for f in failures:
         print("  FAIL", f)

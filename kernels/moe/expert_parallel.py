@@ -119,7 +119,7 @@ def _local_moe(x_TxD, ids_Txk, w_Txk, wg, wu, wd, *, n_experts, axis, implementa
     recv_counts_PxEl = jax.lax.all_to_all(send_counts_PxEl, axis, 0, 0, tiled=True)
     recv_sizes_P = recv_counts_PxEl.sum(axis=1)
     # Sorted row m goes to device dest(m), at position m - send_offsets[dest(m)] of that chunk.
-    dest_M = (jnp.searchsorted(jnp.cumsum(gs_E), jnp.arange(M, dtype=jnp.int32), side="right") // E_l)
+    dest_M = jnp.searchsorted(jnp.cumsum(gs_E), jnp.arange(M, dtype=jnp.int32), side="right") // E_l
     dest_M = jnp.clip(dest_M, 0, n_dev - 1).astype(jnp.int32)
     pos_in_chunk_M = jnp.arange(M, dtype=jnp.int32) - send_offsets_P[dest_M]
 
@@ -139,8 +139,15 @@ def _local_moe(x_TxD, ids_Txk, w_Txk, wg, wu, wd, *, n_experts, axis, implementa
         sizes_PxP = jax.lax.all_gather(send_sizes_P, axis)  # [src, dst]
         out_offsets_P = _exclusive_cumsum(sizes_PxP, axis=0)[me]  # where my chunk lands on each dst
         recv_offsets_P = _exclusive_cumsum(recv_sizes_P)
-        recv = a2a(xs, jnp.zeros((n_dev * M, D), xs.dtype), send_offsets_P, send_sizes_P, out_offsets_P,
-                   recv_sizes_P, axis_name=axis)
+        recv = a2a(
+            xs,
+            jnp.zeros((n_dev * M, D), xs.dtype),
+            send_offsets_P,
+            send_sizes_P,
+            out_offsets_P,
+            recv_sizes_P,
+            axis_name=axis,
+        )
 
     n_rows = recv.shape[0]
     local_ids = _local_expert_ids(recv_counts_PxEl, recv_offsets_P, n_rows)
@@ -155,13 +162,32 @@ def _local_moe(x_TxD, ids_Txk, w_Txk, wg, wu, wd, *, n_experts, axis, implementa
     else:
         offsets_PxP = jax.lax.all_gather(send_offsets_P, axis)  # [src, dst]
         back_offsets_P = offsets_PxP[:, me]  # where each source expects its rows back
-        y_sorted = a2a(y_recv, jnp.zeros((M, D), y_recv.dtype), recv_offsets_P, recv_sizes_P, back_offsets_P,
-                       send_sizes_P, axis_name=axis)
+        y_sorted = a2a(
+            y_recv,
+            jnp.zeros((M, D), y_recv.dtype),
+            recv_offsets_P,
+            recv_sizes_P,
+            back_offsets_P,
+            send_sizes_P,
+            axis_name=axis,
+        )
     return ops.combine(y_sorted, perm, w_Txk)
 
 
-def moe_ffn_ep(x_TxD, expert_ids_Txk, weights_Txk, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, mesh, expert_axis,
-               implementation="auto", tiling=None, exchange="auto"):
+def moe_ffn_ep(
+    x_TxD,
+    expert_ids_Txk,
+    weights_Txk,
+    w_gate_ExDxF,
+    w_up_ExDxF,
+    w_down_ExFxD,
+    *,
+    mesh,
+    expert_axis,
+    implementation="auto",
+    tiling=None,
+    exchange="auto",
+):
     """`ops.moe_ffn` with experts sharded over `mesh.shape[expert_axis]` devices.
 
     Same result as the single-device call (up to summation order). T must divide by the
@@ -174,18 +200,24 @@ def moe_ffn_ep(x_TxD, expert_ids_Txk, weights_Txk, w_gate_ExDxF, w_up_ExDxF, w_d
     ep = mesh.shape[expert_axis]
     T, E = x_TxD.shape[0], w_gate_ExDxF.shape[0]
     if E % ep:
-        raise ValueError(f"moe_ffn: {E} experts do not split over {ep} devices of axis {expert_axis!r}; "
-                         "choose an expert-axis size that divides n_experts.")
+        raise ValueError(
+            f"moe_ffn: {E} experts do not split over {ep} devices of axis {expert_axis!r}; "
+            "choose an expert-axis size that divides n_experts."
+        )
     if T % mesh.size:
-        raise ValueError(f"moe_ffn: {T} tokens do not split over the {mesh.size} devices of the mesh; "
-                         "pad the batch or change the batch size.")
+        raise ValueError(
+            f"moe_ffn: {T} tokens do not split over the {mesh.size} devices of the mesh; "
+            "pad the batch or change the batch size."
+        )
     if exchange == "auto":
         platform = mesh.devices.flat[0].platform
         exchange = "ragged" if platform in ("gpu", "cuda", "rocm", "tpu") else "padded"
     impl = ops.resolve_implementation(implementation)
     tokens = P(tuple(mesh.axis_names))
     experts = P(expert_axis)
-    fn = functools.partial(_local_moe, n_experts=E, axis=expert_axis, implementation=impl, tiling=tiling,
-                           exchange=exchange)
+    fn = functools.partial(
+        _local_moe, n_experts=E, axis=expert_axis, implementation=impl, tiling=tiling, exchange=exchange
+    )
     return _shard_map(fn, mesh, (tokens, tokens, tokens, experts, experts, experts), tokens)(
-        x_TxD, expert_ids_Txk, weights_Txk, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
+        x_TxD, expert_ids_Txk, weights_Txk, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD
+    )

@@ -85,7 +85,6 @@ def _gmm_kernel(offs_ref, gids_ref, tids_ref, nwork_ref, lhs_ref, rhs_ref, out_r
 def gmm(lhs_MxK, rhs_GxKxN, group_sizes_G, *, transpose_rhs=False, out_dtype=None, tiling=None, interpret=False):
     """out[m] = lhs[m] @ rhs[group(m)] (rhs[g].T if transpose_rhs); rows past the groups are zero."""
     M, K = lhs_MxK.shape
-    G = rhs_GxKxN.shape[0]
     N = rhs_GxKxN.shape[1] if transpose_rhs else rhs_GxKxN.shape[2]
     out_dtype = out_dtype or lhs_MxK.dtype
     tm, tk, tn = _tiles(M, K, N, tiling)

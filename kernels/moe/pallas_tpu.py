@@ -73,8 +73,7 @@ def _row_mask(offsets_ref, group_ids_ref, tile_ids_ref, w, shape, axis):
     return (rows >= offsets_ref[g]) & (rows < offsets_ref[g + 1])
 
 
-def _gmm_kernel(offsets_ref, group_ids_ref, tile_ids_ref, lhs_ref, rhs_ref, out_ref, acc_ref, *,
-                transpose_rhs, n_k):
+def _gmm_kernel(offsets_ref, group_ids_ref, tile_ids_ref, lhs_ref, rhs_ref, out_ref, acc_ref, *, transpose_rhs, n_k):
     w, kk = pl.program_id(1), pl.program_id(2)
 
     @pl.when(kk == 0)
@@ -118,8 +117,10 @@ def gmm(lhs_MxK, rhs_GxKxN, group_sizes_G, *, transpose_rhs=False, out_dtype=Non
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
         interpret=_interpret_params(interpret),
         cost_estimate=pl.CostEstimate(
-            flops=2 * M * K * N, transcendentals=0,
-            bytes_accessed=(M * K + G * K * N) * lhs_MxK.dtype.itemsize + M * N * jnp.dtype(out_dtype).itemsize),
+            flops=2 * M * K * N,
+            transcendentals=0,
+            bytes_accessed=(M * K + G * K * N) * lhs_MxK.dtype.itemsize + M * N * jnp.dtype(out_dtype).itemsize,
+        ),
         name="ptrain_gmm",
     )(meta.offsets_Gp1, meta.group_ids_W, meta.tile_ids_W, lhs, rhs_GxKxN)
     # Rows past sum(group_sizes) (and padding) are never written: zero them.
@@ -176,8 +177,10 @@ def tgmm(lhs_MxK, dout_MxN, group_sizes_G, *, out_dtype=None, tiling=None, inter
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=_interpret_params(interpret),
         cost_estimate=pl.CostEstimate(
-            flops=2 * M * K * N, transcendentals=0,
-            bytes_accessed=(M * K + M * N) * lhs_MxK.dtype.itemsize + G * K * N * jnp.dtype(out_dtype).itemsize),
+            flops=2 * M * K * N,
+            transcendentals=0,
+            bytes_accessed=(M * K + M * N) * lhs_MxK.dtype.itemsize + G * K * N * jnp.dtype(out_dtype).itemsize,
+        ),
         name="ptrain_tgmm",
     )(meta.offsets_Gp1, meta.group_ids_W, meta.tile_ids_W, lhs_t, dout)
     # Empty groups are never visited: zero them.

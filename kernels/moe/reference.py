@@ -24,7 +24,7 @@ def grouped_matmul(lhs_MxK, rhs_GxKxN, group_sizes_G, *, transpose_rhs=False, pr
     out_dtype = preferred_element_type or lhs_MxK.dtype
     rhs = jnp.swapaxes(rhs_GxKxN, 1, 2) if transpose_rhs else rhs_GxKxN
     G = rhs.shape[0]
-    onehot_MxG = (row_group_ids(group_sizes_G, lhs_MxK.shape[0])[:, None] == jnp.arange(G)[None, :])
+    onehot_MxG = row_group_ids(group_sizes_G, lhs_MxK.shape[0])[:, None] == jnp.arange(G)[None, :]
     all_GxMxN = jnp.einsum("mk,gkn->gmn", lhs_MxK.astype(jnp.float32), rhs.astype(jnp.float32), precision=_HI)
     out = jnp.einsum("gmn,mg->mn", all_GxMxN, onehot_MxG.astype(jnp.float32), precision=_HI)
     return out.astype(out_dtype)
@@ -34,10 +34,13 @@ def transposed_grouped_matmul(lhs_MxK, dout_MxN, group_sizes_G, *, preferred_ele
     """out[g] = lhs[rows of g].T @ dout[rows of g]  -> GxKxN (the weight gradient)."""
     out_dtype = preferred_element_type or lhs_MxK.dtype
     G = group_sizes_G.shape[0]
-    onehot_GxM = (jnp.arange(G)[:, None] == row_group_ids(group_sizes_G, lhs_MxK.shape[0])[None, :])
+    onehot_GxM = jnp.arange(G)[:, None] == row_group_ids(group_sizes_G, lhs_MxK.shape[0])[None, :]
     out = jnp.einsum(
-        "gm,mk,mn->gkn", onehot_GxM.astype(jnp.float32), lhs_MxK.astype(jnp.float32),
-        dout_MxN.astype(jnp.float32), precision=_HI,
+        "gm,mk,mn->gkn",
+        onehot_GxM.astype(jnp.float32),
+        lhs_MxK.astype(jnp.float32),
+        dout_MxN.astype(jnp.float32),
+        precision=_HI,
     )
     return out.astype(out_dtype)
 

@@ -6,7 +6,9 @@ checkpoint) is backed by one dataclass whose fields are documented where declare
 
 from ptrain.config.data import DataConfig, GeneratedTaskConfig
 from ptrain.config.model import ModelConfig
+from ptrain.config.run import ConfigError, RunConfig, register_configs, stage_config, to_run_config
 from ptrain.config.train import (
+    STAGE_KINDS,
     AlgoConfig,
     CheckpointConfig,
     DPOAlgoConfig,
@@ -16,12 +18,25 @@ from ptrain.config.train import (
     SFTAlgoConfig,
     StageConfig,
     TrainConfig,
-    STAGE_KINDS,
 )
-from ptrain.config.run import RunConfig, register_configs, ConfigError, to_run_config, stage_config
 
 __all__ = [
-    "AlgoConfig", "CheckpointConfig", "ConfigError", "DataConfig", "DPOAlgoConfig", "GeneratedTaskConfig", "LoggingConfig", "MeshConfig",
-    "ModelConfig", "OptimConfig", "RunConfig", "SFTAlgoConfig", "STAGE_KINDS", "StageConfig",
-    "TrainConfig", "register_configs", "stage_config", "to_run_config",
+    "AlgoConfig",
+    "CheckpointConfig",
+    "ConfigError",
+    "DataConfig",
+    "DPOAlgoConfig",
+    "GeneratedTaskConfig",
+    "LoggingConfig",
+    "MeshConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "RunConfig",
+    "SFTAlgoConfig",
+    "STAGE_KINDS",
+    "StageConfig",
+    "TrainConfig",
+    "register_configs",
+    "stage_config",
+    "to_run_config",
 ]

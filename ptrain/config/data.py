@@ -13,7 +13,6 @@ from __future__ import annotations
 import glob
 import os
 from dataclasses import dataclass, field
-from typing import Optional
 
 SOURCE_KINDS = ("generated", "jsonl", "parquet", "arrow")
 TABLE_EXTENSIONS = {"parquet": (".parquet", ".pq"), "arrow": (".arrow",)}
@@ -51,10 +50,10 @@ class DataConfig:
     """Where rows come from: generated (the embedded arithmetic task, written as JSONL into
     the run directory) | jsonl | parquet | arrow (local files at train_path / eval_path;
     arrow reads a Hugging Face `datasets` cache or `save_to_disk` folder)."""
-    train_path: Optional[str] = None
+    train_path: str | None = None
     """Training data for source=jsonl|parquet|arrow (required there): a file; for parquet and
     arrow also a folder of shards or a glob (data/train-*.parquet). Ignored for generated."""
-    eval_path: Optional[str] = None
+    eval_path: str | None = None
     """Held-out data, same forms as train_path; None: no held-out evaluation for that source."""
     format: str = "auto"
     """Row layout: auto (detect per row) | chat ({"messages": [{role, content}, ...]}) |
@@ -71,7 +70,7 @@ class DataConfig:
     """Shuffle training rows (a new permutation each epoch). Held-out passes never shuffle."""
     shuffle_seed: int = 0
     """Seed of the shuffle and of the packing-bin order."""
-    num_epochs: Optional[int] = None
+    num_epochs: int | None = None
     """Passes over the training rows; None repeats forever (train.steps decides the length).
     Must be >= 1 when set."""
     truncate: bool = True
@@ -85,7 +84,7 @@ class DataConfig:
     (a wrong format or the wrong file, not a few bad rows). In [0, 1]."""
     report_rows: int = 10
     """Row numbers kept per bad-row reason in the report. Must be >= 0."""
-    tokenizer_path: Optional[str] = None
+    tokenizer_path: str | None = None
     """Local Hugging Face tokenizer folder (tokenizer.json + tokenizer_config.json with a
     chat template). None: the model folder's tokenizer, else the embedded byte-level BPE
     tokenizer that ptrain builds locally."""
@@ -105,50 +104,88 @@ def _check(cond: bool, key: str, msg: str) -> None:
 
 def validate_data_config(cfg: DataConfig) -> None:
     """Raise DataConfigError (or FileNotFoundError for a missing file) naming the key and the fix."""
-    _check(cfg.source in SOURCE_KINDS, "source",
-           f"unknown source '{cfg.source}'; pass one of {', '.join(SOURCE_KINDS)}")
+    _check(
+        cfg.source in SOURCE_KINDS, "source", f"unknown source '{cfg.source}'; pass one of {', '.join(SOURCE_KINDS)}"
+    )
     _check(cfg.format in FORMATS, "format", f"unknown format '{cfg.format}'; pass one of {', '.join(FORMATS)}")
     _check(cfg.bad_rows in BAD_ROW_POLICIES, "bad_rows", f"pass skip or fail, got '{cfg.bad_rows}'")
-    _check(0.0 <= cfg.max_bad_fraction <= 1.0, "max_bad_fraction", f"must be in [0, 1], got {cfg.max_bad_fraction}; pass e.g. 0.1 (1.0 never fails)")
+    _check(
+        0.0 <= cfg.max_bad_fraction <= 1.0,
+        "max_bad_fraction",
+        f"must be in [0, 1], got {cfg.max_bad_fraction}; pass e.g. 0.1 (1.0 never fails)",
+    )
     _check(cfg.report_rows >= 0, "report_rows", f"must be >= 0, got {cfg.report_rows}; pass e.g. 10")
-    _check(cfg.packing_bins >= 0, "packing_bins", f"must be >= 0, got {cfg.packing_bins}; pass 0 for the batch size or a bin count")
-    _check(cfg.num_epochs is None or cfg.num_epochs >= 1, "num_epochs",
-           f"must be >= 1, got {cfg.num_epochs}; pass a positive count, or null to repeat forever")
-    _check(cfg.num_workers >= 0, "num_workers", f"must be >= 0, got {cfg.num_workers}; pass 0 (in-process) or a worker count")
-    _check(cfg.tokenizer_vocab_size >= 260, "tokenizer_vocab_size",
-           f"got {cfg.tokenizer_vocab_size}; pass at least 260 (256 bytes + 4 special tokens), e.g. 512")
+    _check(
+        cfg.packing_bins >= 0,
+        "packing_bins",
+        f"must be >= 0, got {cfg.packing_bins}; pass 0 for the batch size or a bin count",
+    )
+    _check(
+        cfg.num_epochs is None or cfg.num_epochs >= 1,
+        "num_epochs",
+        f"must be >= 1, got {cfg.num_epochs}; pass a positive count, or null to repeat forever",
+    )
+    _check(
+        cfg.num_workers >= 0,
+        "num_workers",
+        f"must be >= 0, got {cfg.num_workers}; pass 0 (in-process) or a worker count",
+    )
+    _check(
+        cfg.tokenizer_vocab_size >= 260,
+        "tokenizer_vocab_size",
+        f"got {cfg.tokenizer_vocab_size}; pass at least 260 (256 bytes + 4 special tokens), e.g. 512",
+    )
     if cfg.tokenizer_path is not None and not os.path.isfile(os.path.join(cfg.tokenizer_path, "tokenizer.json")):
         raise FileNotFoundError(
             f"config key 'data.tokenizer_path': no tokenizer.json in '{cfg.tokenizer_path}'; pass a local "
-            "Hugging Face tokenizer folder, or null for the embedded tokenizer (nothing is downloaded)")
+            "Hugging Face tokenizer folder, or null for the embedded tokenizer (nothing is downloaded)"
+        )
     if cfg.source == "generated":
         g = cfg.generated
         _check(g.n_train >= 1, "generated.n_train", f"must be >= 1, got {g.n_train}; pass a positive row count")
         _check(g.n_eval >= 1, "generated.n_eval", f"must be >= 1, got {g.n_eval}; pass a positive row count")
-        _check(1 <= g.min_digits <= g.max_digits <= 9, "generated.min_digits",
-               f"got min_digits={g.min_digits} max_digits={g.max_digits}; pass 1 <= min_digits <= max_digits <= 9")
-        _check(len(g.ops) > 0 and all(op in TASK_OPS for op in g.ops), "generated.ops",
-               f"pass a non-empty list drawn from {list(TASK_OPS)}, got {list(g.ops)}")
+        _check(
+            1 <= g.min_digits <= g.max_digits <= 9,
+            "generated.min_digits",
+            f"got min_digits={g.min_digits} max_digits={g.max_digits}; pass 1 <= min_digits <= max_digits <= 9",
+        )
+        _check(
+            len(g.ops) > 0 and all(op in TASK_OPS for op in g.ops),
+            "generated.ops",
+            f"pass a non-empty list drawn from {list(TASK_OPS)}, got {list(g.ops)}",
+        )
         return
-    _check(cfg.train_path is not None, "train_path",
-           f"source={cfg.source} needs a training file; pass data.train_path=/path/to/train.{cfg.source}")
+    _check(
+        cfg.train_path is not None,
+        "train_path",
+        f"source={cfg.source} needs a training file; pass data.train_path=/path/to/train.{cfg.source}",
+    )
     for key in ("train_path", "eval_path"):
         path = getattr(cfg, key)
         if path is None:
             continue
         exts = TABLE_EXTENSIONS.get(cfg.source, (".jsonl", ".json", ".ndjson"))
         if cfg.source in TABLE_EXTENSIONS and not os.path.isfile(path):
-            found = ([f for f in glob.glob(os.path.join(path, "*")) if f.endswith(exts)] if os.path.isdir(path)
-                     else glob.glob(path))
+            found = (
+                [f for f in glob.glob(os.path.join(path, "*")) if f.endswith(exts)]
+                if os.path.isdir(path)
+                else glob.glob(path)
+            )
             if not found:
                 raise FileNotFoundError(
                     f"config key 'data.{key}': no {cfg.source} data at '{path}'; pass a local {exts[0]} file, a "
-                    f"folder of them or a glob such as data/train-*{exts[0]} (nothing is downloaded)")
+                    f"folder of them or a glob such as data/train-*{exts[0]} (nothing is downloaded)"
+                )
             continue
         if not os.path.isfile(path):
             raise FileNotFoundError(
                 f"config key 'data.{key}': file '{path}' does not exist; pass the path of a local "
-                f"{cfg.source} file (nothing is downloaded)")
+                f"{cfg.source} file (nothing is downloaded)"
+            )
         ext = os.path.splitext(path)[1].lower()
-        _check(ext in exts, key, f"'{path}' does not look like a {cfg.source} file (extension {ext or 'none'}); "
-               f"pass a {'/'.join(exts)} file or set data.source to match the file")
+        _check(
+            ext in exts,
+            key,
+            f"'{path}' does not look like a {cfg.source} file (extension {ext or 'none'}); "
+            f"pass a {'/'.join(exts)} file or set data.source to match the file",
+        )

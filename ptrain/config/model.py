@@ -8,13 +8,13 @@ Hugging Face importer maps each family's config.json onto them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 
 @dataclass
 class ModelConfig:
     # --- where the weights come from ---
-    hf_path: Optional[str] = None
+    hf_path: str | None = None
     """Local Hugging Face folder to load (config.json + safetensors). None: build the
     embedded tiny model from the fields below and save it into the run directory."""
     family: str = "qwen3"
@@ -46,7 +46,7 @@ class ModelConfig:
     """Epsilon inside RMSNorm."""
     rope_theta: float = 1_000_000.0
     """RoPE base frequency."""
-    rope_scaling: Optional[dict[str, Any]] = None
+    rope_scaling: dict[str, Any] | None = None
     """HF-style rope scaling dict, e.g. {rope_type: llama3, factor: 8, low_freq_factor: 1,
     high_freq_factor: 4, original_max_position_embeddings: 8192}. None: plain RoPE."""
     qk_norm: bool = True
@@ -55,7 +55,7 @@ class ModelConfig:
     """Bias on the q/k/v projections (Qwen2/2.5)."""
     tie_embeddings: bool = True
     """Share the input embedding and the output head."""
-    sliding_window: Optional[int] = None
+    sliding_window: int | None = None
     """Mistral-style sliding attention window in tokens; None: full causal attention."""
 
     # --- Mixture of Experts (n_experts == 0 means dense) ---

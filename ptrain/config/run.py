@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -14,6 +14,7 @@ from omegaconf.errors import OmegaConfBaseException
 from ptrain.config.data import DataConfig, validate_data_config
 from ptrain.config.model import ModelConfig
 from ptrain.config.train import (
+    STAGE_KINDS,
     AlgoConfig,
     CheckpointConfig,
     LoggingConfig,
@@ -21,7 +22,6 @@ from ptrain.config.train import (
     OptimConfig,
     StageConfig,
     TrainConfig,
-    STAGE_KINDS,
 )
 
 
@@ -46,7 +46,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     stages: list[StageConfig] = field(default_factory=lambda: [StageConfig()])
     """Ordered stages of the recipe; each starts from the previous one's export."""
-    recipe: Optional[Any] = None
+    recipe: Any | None = None
     """Set by the `recipe` group (its files hold only overrides); unused at run time."""
 
 
@@ -91,12 +91,16 @@ def stage_config(run: RunConfig, stage: StageConfig) -> RunConfig:
         merged = OmegaConf.merge(base, overrides)
         out: RunConfig = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
-        raise ConfigError(f"in stage '{stage.name}': " + _explain_omegaconf_error(e, prefix=f"stages.{stage.name}.")) from None
+        raise ConfigError(
+            f"in stage '{stage.name}': " + _explain_omegaconf_error(e, prefix=f"stages.{stage.name}.")
+        ) from None
     out.stages = [stage]
     _validate_values(out, where=f"stage '{stage.name}': ")
     if stage.kind == "dpo" and out.data.format != "preference":
-        raise ConfigError(f"stage '{stage.name}': config key 'data.format': a dpo stage reads preference pairs, "
-                          f"got format '{out.data.format}'; set data: {{format: preference}} in the stage")
+        raise ConfigError(
+            f"stage '{stage.name}': config key 'data.format': a dpo stage reads preference pairs, "
+            f"got format '{out.data.format}'; set data: {{format: preference}} in the stage"
+        )
     return out
 
 
@@ -114,8 +118,10 @@ def shadowed_overrides(run: RunConfig, overrides: list[str]) -> list[str]:
             for part in rest.split("."):
                 node = node.get(part) if isinstance(node, dict) else None
             if node is not None:
-                notes.append(f"stage '{stage.name}' sets {key}={node} itself, which takes precedence over "
-                             f"'{text}'; pass stages.{i}.{key}=... to change it there")
+                notes.append(
+                    f"stage '{stage.name}' sets {key}={node} itself, which takes precedence over "
+                    f"'{text}'; pass stages.{i}.{key}=... to change it there"
+                )
     return notes
 
 
@@ -143,13 +149,22 @@ def validate(run: RunConfig) -> None:
     _check(len(run.stages) > 0, "stages", "a recipe needs at least one stage, e.g. stages=[{name: sft, kind: sft}]")
     _check(len(set(names)) == len(names), "stages", f"stage names must be unique, got {names}")
     for i, s in enumerate(run.stages):
-        _check(s.kind in STAGE_KINDS, f"stages[{i}].kind",
-               f"unknown stage kind '{s.kind}'; pass one of {', '.join(STAGE_KINDS)}")
-        _check(bool(s.name) and "/" not in s.name and s.name not in (".", ".."), f"stages[{i}].name",
-               f"'{s.name}' must be a non-empty folder name without '/' (and not '.' or '..')")
+        _check(
+            s.kind in STAGE_KINDS,
+            f"stages[{i}].kind",
+            f"unknown stage kind '{s.kind}'; pass one of {', '.join(STAGE_KINDS)}",
+        )
+        _check(
+            bool(s.name) and "/" not in s.name and s.name not in (".", ".."),
+            f"stages[{i}].name",
+            f"'{s.name}' must be a non-empty folder name without '/' (and not '.' or '..')",
+        )
         if s.init not in ("previous", "base"):
-            _check(os.path.isfile(os.path.join(s.init, "config.json")), f"stages[{i}].init",
-                   f"'{s.init}' is neither 'previous', 'base' nor a Hugging Face folder with a config.json")
+            _check(
+                os.path.isfile(os.path.join(s.init, "config.json")),
+                f"stages[{i}].init",
+                f"'{s.init}' is neither 'previous', 'base' nor a Hugging Face folder with a config.json",
+            )
     for s in run.stages:
         stage_config(run, s)  # validates every stage's merged values
 
@@ -160,52 +175,86 @@ def _validate_values(run: RunConfig, where: str = "") -> None:
     c(t.steps > 0, "train.steps", f"must be > 0, got {t.steps}")
     c(t.grad_accum >= 1, "train.grad_accum", f"must be >= 1, got {t.grad_accum}")
     c(t.global_batch_size > 0, "train.global_batch_size", f"must be > 0, got {t.global_batch_size}")
-    c(t.global_batch_size % t.grad_accum == 0, "train.global_batch_size",
-      f"{t.global_batch_size} is not divisible by train.grad_accum={t.grad_accum}")
+    c(
+        t.global_batch_size % t.grad_accum == 0,
+        "train.global_batch_size",
+        f"{t.global_batch_size} is not divisible by train.grad_accum={t.grad_accum}",
+    )
     c(t.seq_len > 1, "train.seq_len", f"must be > 1, got {t.seq_len}")
     c(t.eval_every >= 0, "train.eval_every", f"must be >= 0, got {t.eval_every}")
     c(run.logging.log_every >= 1, "logging.log_every", f"must be >= 1 (1: every step), got {run.logging.log_every}")
     c(t.vocab_chunk >= 0, "train.vocab_chunk", f"must be >= 0 (0: full logits), got {t.vocab_chunk}")
     c(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
-    c(o.name in ("adamw", "adam", "sgd", "adafactor", "lion"), "optim.name",
-      f"unknown optimizer '{o.name}'; pass adamw, adam, sgd, adafactor or lion")
-    c(o.schedule in ("constant", "linear", "cosine"), "optim.schedule",
-      f"unknown schedule '{o.schedule}'; pass constant, linear or cosine")
+    c(
+        o.name in ("adamw", "adam", "sgd", "adafactor", "lion"),
+        "optim.name",
+        f"unknown optimizer '{o.name}'; pass adamw, adam, sgd, adafactor or lion",
+    )
+    c(
+        o.schedule in ("constant", "linear", "cosine"),
+        "optim.schedule",
+        f"unknown schedule '{o.schedule}'; pass constant, linear or cosine",
+    )
     c(o.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
     c(0 <= o.warmup_ratio < 1, "optim.warmup_ratio", f"must be in [0, 1), got {o.warmup_ratio}")
     c(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
     c(o.weight_decay >= 0, "optim.weight_decay", f"must be >= 0, got {o.weight_decay}")
     c(o.grad_clip >= 0, "optim.grad_clip", f"must be >= 0 (0 disables), got {o.grad_clip}")
-    c(m.n_heads % m.n_kv_heads == 0 if m.n_kv_heads > 0 else False, "model.n_kv_heads",
-      f"must be > 0 and divide model.n_heads={m.n_heads}, got {m.n_kv_heads}")
+    c(
+        m.n_heads % m.n_kv_heads == 0 if m.n_kv_heads > 0 else False,
+        "model.n_kv_heads",
+        f"must be > 0 and divide model.n_heads={m.n_heads}, got {m.n_kv_heads}",
+    )
     c(m.dtype in ("float32", "bfloat16"), "model.dtype", f"pass float32 or bfloat16, got '{m.dtype}'")
     c(m.remat in ("none", "full", "dots"), "model.remat", f"pass none, full or dots, got '{m.remat}'")
     if m.hf_path is not None:
-        c(os.path.isfile(os.path.join(m.hf_path, "config.json")), "model.hf_path",
-          f"no config.json in '{m.hf_path}'; pass a local Hugging Face model folder (nothing is downloaded)")
+        c(
+            os.path.isfile(os.path.join(m.hf_path, "config.json")),
+            "model.hf_path",
+            f"no config.json in '{m.hf_path}'; pass a local Hugging Face model folder (nothing is downloaded)",
+        )
     for axis in ("fsdp", "tensor", "expert"):
         c(getattr(mesh, axis) >= 1, f"mesh.{axis}", f"must be >= 1, got {getattr(mesh, axis)}")
     c(mesh.data == -1 or mesh.data >= 1, "mesh.data", f"must be -1 (fill) or >= 1, got {mesh.data}")
     c(run.checkpoint.keep >= 1, "checkpoint.keep", f"must be >= 1, got {run.checkpoint.keep}")
     c(run.checkpoint.every_steps >= 0, "checkpoint.every_steps", f"must be >= 0, got {run.checkpoint.every_steps}")
     a = run.algo
-    c(a.sft.aggregation in ("token_mean", "sequence_mean", "sum"), "algo.sft.aggregation",
-      f"pass token_mean, sequence_mean or sum, got '{a.sft.aggregation}'")
+    c(
+        a.sft.aggregation in ("token_mean", "sequence_mean", "sum"),
+        "algo.sft.aggregation",
+        f"pass token_mean, sequence_mean or sum, got '{a.sft.aggregation}'",
+    )
     c(0 <= a.sft.label_smoothing < 1, "algo.sft.label_smoothing", f"must be in [0, 1), got {a.sft.label_smoothing}")
-    c(a.sft.norm_constant is None or a.sft.norm_constant >= 1, "algo.sft.norm_constant",
-      f"must be null (train.global_batch_size * train.seq_len) or a token count >= 1, got {a.sft.norm_constant}")
-    c(a.dpo.kind in ("sigmoid", "ipo", "hinge", "robust", "dpo_norm", "simpo", "orpo", "rpo", "dpop"), "algo.dpo.kind",
-      f"unknown preference loss '{a.dpo.kind}'; pass sigmoid, ipo, hinge, robust, dpo_norm, simpo, orpo, rpo or dpop")
+    c(
+        a.sft.norm_constant is None or a.sft.norm_constant >= 1,
+        "algo.sft.norm_constant",
+        f"must be null (train.global_batch_size * train.seq_len) or a token count >= 1, got {a.sft.norm_constant}",
+    )
+    c(
+        a.dpo.kind in ("sigmoid", "ipo", "hinge", "robust", "dpo_norm", "simpo", "orpo", "rpo", "dpop"),
+        "algo.dpo.kind",
+        f"unknown preference loss '{a.dpo.kind}'; pass sigmoid, ipo, hinge, robust, dpo_norm, simpo, orpo, rpo or dpop",
+    )
     c(a.dpo.dpop_lambda >= 0, "algo.dpo.dpop_lambda", f"must be >= 0, got {a.dpo.dpop_lambda}")
     c(a.dpo.beta > 0, "algo.dpo.beta", f"must be > 0, got {a.dpo.beta}")
-    c(a.dpo.policy_pairs >= 0, "algo.dpo.policy_pairs", f"must be >= 0 (0: the data's own pairs), got {a.dpo.policy_pairs}")
+    c(
+        a.dpo.policy_pairs >= 0,
+        "algo.dpo.policy_pairs",
+        f"must be >= 0 (0: the data's own pairs), got {a.dpo.policy_pairs}",
+    )
     c(a.dpo.policy_samples >= 1, "algo.dpo.policy_samples", f"must be >= 1, got {a.dpo.policy_samples}")
     c(a.dpo.policy_temperature >= 0, "algo.dpo.policy_temperature", f"must be >= 0, got {a.dpo.policy_temperature}")
-    c(a.dpo.policy_temperature > 0 or a.dpo.policy_samples == 1, "algo.dpo.policy_samples",
-      f"greedy decoding (policy_temperature=0) gives one completion per prompt; set policy_samples=1, "
-      f"got {a.dpo.policy_samples}")
-    c(a.dpo.policy_max_new_tokens >= 1, "algo.dpo.policy_max_new_tokens",
-      f"must be >= 1, got {a.dpo.policy_max_new_tokens}")
+    c(
+        a.dpo.policy_temperature > 0 or a.dpo.policy_samples == 1,
+        "algo.dpo.policy_samples",
+        f"greedy decoding (policy_temperature=0) gives one completion per prompt; set policy_samples=1, "
+        f"got {a.dpo.policy_samples}",
+    )
+    c(
+        a.dpo.policy_max_new_tokens >= 1,
+        "algo.dpo.policy_max_new_tokens",
+        f"must be >= 1, got {a.dpo.policy_max_new_tokens}",
+    )
     try:
         validate_data_config(run.data)
     except (ValueError, FileNotFoundError) as e:
@@ -217,12 +266,18 @@ def check_mesh_fits(run: RunConfig, n_devices: int) -> tuple[int, int, int, int]
     mesh = run.mesh
     fixed = mesh.fsdp * mesh.tensor * mesh.expert
     data = mesh.data if mesh.data != -1 else n_devices // fixed
-    _check(data >= 1 and data * fixed == n_devices, "mesh",
-           f"data={mesh.data} fsdp={mesh.fsdp} tensor={mesh.tensor} expert={mesh.expert} does not use exactly "
-           f"the {n_devices} available devices; make the product equal {n_devices} (data=-1 fills)")
+    _check(
+        data >= 1 and data * fixed == n_devices,
+        "mesh",
+        f"data={mesh.data} fsdp={mesh.fsdp} tensor={mesh.tensor} expert={mesh.expert} does not use exactly "
+        f"the {n_devices} available devices; make the product equal {n_devices} (data=-1 fills)",
+    )
     dp = data * mesh.fsdp
     micro = run.train.global_batch_size // run.train.grad_accum
-    _check(micro % dp == 0, "train.global_batch_size",
-           f"{run.train.global_batch_size} / grad_accum {run.train.grad_accum} = {micro} rows per micro-batch is not "
-           f"divisible by the data-parallel size data*fsdp = {dp}; pass a multiple of {dp * run.train.grad_accum}")
+    _check(
+        micro % dp == 0,
+        "train.global_batch_size",
+        f"{run.train.global_batch_size} / grad_accum {run.train.grad_accum} = {micro} rows per micro-batch is not "
+        f"divisible by the data-parallel size data*fsdp = {dp}; pass a multiple of {dp * run.train.grad_accum}",
+    )
     return data, mesh.fsdp, mesh.tensor, mesh.expert

@@ -8,7 +8,7 @@ node; `model/` and `data/` live in model.py and data.py.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 
 @dataclass
@@ -19,10 +19,10 @@ class TrainConfig:
     """Sequences (packed rows) per optimizer step, over all devices; must divide by the
     data-parallel size (mesh data * fsdp) times grad_accum."""
     grad_accum: int = 1
-    """Micro-batches per optimizer step, accumulated inside the jitted step (>= 1). Also a
-    speed setting on CPU: XLA:CPU frees a step's temporaries every step and the kernel
-    zeroes them again on the next, so smaller micro-batches (about 1k tokens) ran the
-    benchmark step 10-19% faster in half the memory (docs/performance.md)."""
+    """Micro-batches per optimizer step, accumulated inside the jitted step (>= 1); the
+    gradient is the same. Also a speed setting on CPU: XLA:CPU returns a step's temporaries
+    to the kernel every step, which zeroes them again on the next, so micro-batches of about
+    1k tokens are faster and need less memory (docs/performance.md)."""
     seq_len: int = 128
     """Tokens per row after packing/padding."""
     eval_every: int = 50
@@ -39,8 +39,7 @@ class TrainConfig:
     """> 0: the loss reads final hidden states and the output head and walks the vocabulary
     in chunks of this many columns, so [B, L, V] logits never exist (~a tenth of the memory
     at V = 150k). 0: it reads full [B, L, V] logits. The default also keeps the head's
-    matmuls off row strides of 4096 floats, which XLA:CPU ran at half speed: head + loss of
-    a 2 x 512-token micro-batch at V = 4096 took 129 ms against 186 ms with full logits."""
+    matmuls off output rows of 4096 floats, which XLA:CPU runs at about half speed."""
     nan_check: bool = True
     """Stop with an error when the loss turns NaN/inf (checked on the host one step behind)."""
 
@@ -87,7 +86,7 @@ class MeshConfig:
     """Tensor-parallel axis: heads and MLP hidden split."""
     expert: int = 1
     """Expert-parallel axis: routed experts split (MoE only)."""
-    rules: Optional[list[Any]] = None
+    rules: list[Any] | None = None
     """Logical-axis -> mesh-axis rule table as [[logical, mesh_axis_or_list_or_null], ...];
     None uses ptrain.parallel.DEFAULT_RULES."""
 
@@ -102,7 +101,7 @@ class LoggingConfig:
     """metrics.jsonl in the stage folder: every metric of every logged step."""
     tensorboard: bool = True
     """TensorBoard event files in the stage folder."""
-    wandb_project: Optional[str] = None
+    wandb_project: str | None = None
     """Weights & Biases project; None: off (needs the wandb package)."""
 
 
@@ -123,7 +122,7 @@ class SFTAlgoConfig:
     aggregation: str = "token_mean"
     """Loss aggregation: token_mean (every target token weighs the same) | sequence_mean
     (mean over sequences of each one's token mean) | sum (summed token losses / norm_constant)."""
-    norm_constant: Optional[float] = None
+    norm_constant: float | None = None
     """Divisor for aggregation=sum, in tokens; None uses global_batch_size * seq_len."""
     label_smoothing: float = 0.0
     """Label smoothing epsilon in [0, 1)."""

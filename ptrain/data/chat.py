@@ -19,7 +19,8 @@ in `TokenizedRows`, a random-access source for the Grain pipeline.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -53,8 +54,9 @@ def as_messages(value: Any, field: str, default_role: str) -> list[dict[str, Any
     out = []
     for i, m in enumerate(value):
         if not isinstance(m, dict):
-            raise RowProblem(R.WRONG_TYPE, f"{field}[{i}] must be an object with role and content, "
-                                           f"got {type(m).__name__}")
+            raise RowProblem(
+                R.WRONG_TYPE, f"{field}[{i}] must be an object with role and content, got {type(m).__name__}"
+            )
         if "role" not in m:
             raise RowProblem(R.MISSING_FIELD, f"{field}[{i}] has no 'role'")
         if "content" not in m:
@@ -83,8 +85,10 @@ def detect_format(row: dict[str, Any], fmt: str) -> str:
     if "prompt" in row and "completion" in row:
         return "prompt_completion"
     if "chosen" in row or "rejected" in row:
-        raise RowProblem(R.MISSING_FIELD, "a preference row (chosen/rejected) in an SFT stage; use it in a DPO "
-                                          "stage with data.format=preference")
+        raise RowProblem(
+            R.MISSING_FIELD,
+            "a preference row (chosen/rejected) in an SFT stage; use it in a DPO stage with data.format=preference",
+        )
     raise RowProblem(R.MISSING_FIELD, f"neither 'messages' nor 'prompt' + 'completion' (fields: {sorted(row)})")
 
 
@@ -130,10 +134,13 @@ def _prefix_ids(tokenizer, messages: list[dict[str, Any]], i: int, full: list[in
     render: masks from growing prefixes are only right for templates that render a turn the
     same whatever follows it."""
     prefix = _ids(tokenizer, messages[:i], **kw)
-    if full[:len(prefix)] != prefix:
-        raise RowProblem(R.TEMPLATE_ERROR, "the chat template renders earlier turns differently once later turns "
-                         "follow (Qwen3's drops past <think> blocks, for one), so the assistant tokens cannot be "
-                         "located; use a template that marks them with {% generation %}, or one turn per row")
+    if full[: len(prefix)] != prefix:
+        raise RowProblem(
+            R.TEMPLATE_ERROR,
+            "the chat template renders earlier turns differently once later turns "
+            "follow (Qwen3's drops past <think> blocks, for one), so the assistant tokens cannot be "
+            "located; use a template that marks them with {% generation %}, or one turn per row",
+        )
     return prefix
 
 
@@ -152,12 +159,14 @@ def _generation_prefix_len(tokenizer, messages: list[dict[str, Any]], i: int, fu
     return next((k for k, (a, b) in enumerate(zip(turn, empty)) if a != b), min(len(turn), len(empty)))
 
 
-def tokenize_conversation(tokenizer, messages: list[dict[str, Any]], n_prompt: int = 0
-                          ) -> tuple[np.ndarray, np.ndarray]:
+def tokenize_conversation(
+    tokenizer, messages: list[dict[str, Any]], n_prompt: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
     """Token ids [N] int32 and loss mask [N] int8 (1 on assistant tokens after the first n_prompt turns)."""
     if _has_generation_tags(tokenizer):
-        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True)
+        out = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
         ids = np.asarray(out["input_ids"], np.int32)
         mask = np.asarray(out["assistant_masks"], np.int8)
     else:
@@ -207,8 +216,9 @@ def _render_chatml(messages: list[dict[str, Any]], n_prompt: int) -> tuple[str, 
     return "".join(parts), spans, prompt_chars
 
 
-def tokenize_conversations(tokenizer, conversations: list[tuple[list[dict[str, Any]], int]]
-                           ) -> list[tuple[np.ndarray, np.ndarray]]:
+def tokenize_conversations(
+    tokenizer, conversations: list[tuple[list[dict[str, Any]], int]]
+) -> list[tuple[np.ndarray, np.ndarray]]:
     """`tokenize_conversation` over many (messages, n_prompt) pairs.
 
     With the embedded ChatML template this renders in Python and encodes the whole list in
@@ -235,7 +245,9 @@ def prompt_ids(tokenizer, messages: list[dict[str, Any]]) -> np.ndarray:
     return np.asarray(_ids(tokenizer, messages, add_generation_prompt=True), np.int32)
 
 
-def fit_length(ids: np.ndarray, mask: np.ndarray, max_tokens: int, truncate: bool) -> tuple[np.ndarray, np.ndarray, bool]:
+def fit_length(
+    ids: np.ndarray, mask: np.ndarray, max_tokens: int, truncate: bool
+) -> tuple[np.ndarray, np.ndarray, bool]:
     """Cut (ids, mask) to max_tokens from the right, or raise RowProblem too_long / no target.
 
     Returns (ids, mask, was_truncated).
@@ -243,12 +255,18 @@ def fit_length(ids: np.ndarray, mask: np.ndarray, max_tokens: int, truncate: boo
     if len(ids) <= max_tokens:
         return ids, mask, False
     if not truncate:
-        raise RowProblem(R.TOO_LONG, f"{len(ids)} tokens, more than the {max_tokens} allowed (sequence length + 1); "
-                                     "pass data.truncate=true, a larger train.seq_len, or shorten the row")
+        raise RowProblem(
+            R.TOO_LONG,
+            f"{len(ids)} tokens, more than the {max_tokens} allowed (sequence length + 1); "
+            "pass data.truncate=true, a larger train.seq_len, or shorten the row",
+        )
     ids, mask = ids[:max_tokens], mask[:max_tokens]
     if not mask[1:].any():
-        raise RowProblem(R.NO_TARGET, f"cut to {max_tokens} tokens, no assistant token is left to train on; "
-                                      "raise train.seq_len or shorten the prompt")
+        raise RowProblem(
+            R.NO_TARGET,
+            f"cut to {max_tokens} tokens, no assistant token is left to train on; "
+            "raise train.seq_len or shorten the prompt",
+        )
     return ids, mask, True
 
 
@@ -283,8 +301,9 @@ def row_location(source, index: int) -> str:
     return source.where(index) if hasattr(source, "where") else f"row {index}"
 
 
-def _tokenize_chunk(parsed: dict[int, Any], tokenize: Callable[[list], list],
-                    problems: dict[int, RowProblem]) -> dict[int, Any]:
+def _tokenize_chunk(
+    parsed: dict[int, Any], tokenize: Callable[[list], list], problems: dict[int, RowProblem]
+) -> dict[int, Any]:
     """Tokenise a chunk's parsed rows in one call; if that raises (a chat template's
     `raise_exception`, say, for roles that do not alternate), row by row, so that only the
     rows the template rejects become problems, each with the template's message."""
@@ -299,14 +318,23 @@ def _tokenize_chunk(parsed: dict[int, Any], tokenize: Callable[[list], list],
         except RowProblem as p:
             problems[i] = p
         except Exception as e:  # noqa: BLE001
-            problems[i] = RowProblem(R.TEMPLATE_ERROR, f"the tokenizer's chat template rejected it "
-                                     f"({type(e).__name__}: {e}); fix the row or use a template that accepts it")
+            problems[i] = RowProblem(
+                R.TEMPLATE_ERROR,
+                f"the tokenizer's chat template rejected it "
+                f"({type(e).__name__}: {e}); fix the row or use a template that accepts it",
+            )
     return out
 
 
-def tokenize_pass(source, *, parse: Callable[[dict], Any], tokenize: Callable[[list], list],
-                  check: Callable[[Any], tuple[Any, bool]], report: BadRowReport, max_bad_fraction: float
-                  ) -> tuple[list[Any], list[int]]:
+def tokenize_pass(
+    source,
+    *,
+    parse: Callable[[dict], Any],
+    tokenize: Callable[[list], list],
+    check: Callable[[Any], tuple[Any, bool]],
+    report: BadRowReport,
+    max_bad_fraction: float,
+) -> tuple[list[Any], list[int]]:
     """One validation + tokenisation pass over source, in chunks, accounting rows in order.
 
     parse(row) validates one row (raises RowProblem); tokenize(parsed rows) tokenises a
@@ -345,9 +373,18 @@ def tokenize_pass(source, *, parse: Callable[[dict], Any], tokenize: Callable[[l
     return examples, rows
 
 
-def tokenize_sft_rows(source, tokenizer, *, fmt: str, seq_len: int, truncate: bool, bad_rows: str = "skip",
-                      max_bad_fraction: float = 0.5, report_rows: int = 10, name: Optional[str] = None
-                      ) -> tuple[TokenizedRows, BadRowReport]:
+def tokenize_sft_rows(
+    source,
+    tokenizer,
+    *,
+    fmt: str,
+    seq_len: int,
+    truncate: bool,
+    bad_rows: str = "skip",
+    max_bad_fraction: float = 0.5,
+    report_rows: int = 10,
+    name: str | None = None,
+) -> tuple[TokenizedRows, BadRowReport]:
     """Validate and tokenise every row of source for SFT; examples hold at most seq_len + 1 tokens.
 
     (seq_len + 1 tokens give seq_len next-token pairs.) Raises BadRowError per the policy.
@@ -361,7 +398,12 @@ def tokenize_sft_rows(source, tokenizer, *, fmt: str, seq_len: int, truncate: bo
         return (ids, mask), cut
 
     rep = BadRowReport(source=name or repr(source), policy=bad_rows, keep_rows=report_rows)
-    examples, rows = tokenize_pass(source, parse=lambda row: sft_conversation(row, fmt),
-                                   tokenize=lambda convs: tokenize_conversations(tokenizer, convs), check=check,
-                                   report=rep, max_bad_fraction=max_bad_fraction)
+    examples, rows = tokenize_pass(
+        source,
+        parse=lambda row: sft_conversation(row, fmt),
+        tokenize=lambda convs: tokenize_conversations(tokenizer, convs),
+        check=check,
+        report=rep,
+        max_bad_fraction=max_bad_fraction,
+    )
     return TokenizedRows(examples, rows), rep

@@ -24,17 +24,17 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import grain
 import numpy as np
 
 from ptrain.config.data import DataConfig
-from ptrain.data import tasks
 from ptrain.data import report as R
-from ptrain.data.chat import (RowProblem, TokenizedRows, prompt_ids, row_location, sft_conversation,
-                              tokenize_sft_rows)
+from ptrain.data import tasks
+from ptrain.data.chat import RowProblem, TokenizedRows, prompt_ids, row_location, sft_conversation, tokenize_sft_rows
 from ptrain.data.report import BadRowReport
 from ptrain.data.sources import TABLE_EXTENSIONS, ListSource, RowDecodeError, open_source, table_files
 
@@ -49,8 +49,9 @@ def generated_records(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
     """The embedded task's records of one split: chat rows, or preference rows for format=preference."""
     g = cfg.generated
     kind = "preference" if cfg.format == "preference" else "chat"
-    train, held = tasks.generate_records(g.n_train, g.n_eval, kind=kind, ops=tuple(g.ops), min_digits=g.min_digits,
-                                         max_digits=g.max_digits, seed=g.seed)
+    train, held = tasks.generate_records(
+        g.n_train, g.n_eval, kind=kind, ops=tuple(g.ops), min_digits=g.min_digits, max_digits=g.max_digits, seed=g.seed
+    )
     return train if split == "train" else held
 
 
@@ -65,8 +66,15 @@ def write_generated(cfg: DataConfig, out_dir: str) -> DataConfig:
         return cfg
     prefix = "preference_" if cfg.format == "preference" else ""
     g = cfg.generated
-    splits = tasks.generate_records(g.n_train, g.n_eval, kind="preference" if prefix else "chat", ops=tuple(g.ops),
-                                    min_digits=g.min_digits, max_digits=g.max_digits, seed=g.seed)
+    splits = tasks.generate_records(
+        g.n_train,
+        g.n_eval,
+        kind="preference" if prefix else "chat",
+        ops=tuple(g.ops),
+        min_digits=g.min_digits,
+        max_digits=g.max_digits,
+        seed=g.seed,
+    )
     paths = {}
     for split, records in zip(SPLITS, splits):
         # Same rows as on disk (a resumed run): leave the file alone, so its mtime stays.
@@ -99,10 +107,21 @@ def _cache_key(cfg: DataConfig, tokenizer, split: str, seq_len: int, what: str) 
     else:
         path = cfg.train_path if split == "train" else cfg.eval_path
         files = table_files(path, cfg.source) if cfg.source in TABLE_EXTENSIONS and path else [path]
-        where = (cfg.source, path) + tuple((f, os.stat(f).st_mtime_ns, os.stat(f).st_size) for f in files
-                                           if f and os.path.isfile(f))
-    return (what, where, split, tokenizer_fingerprint(tokenizer), cfg.format, seq_len, cfg.truncate, cfg.bad_rows,
-            cfg.max_bad_fraction, cfg.report_rows)
+        where = (cfg.source, path) + tuple(
+            (f, os.stat(f).st_mtime_ns, os.stat(f).st_size) for f in files if f and os.path.isfile(f)
+        )
+    return (
+        what,
+        where,
+        split,
+        tokenizer_fingerprint(tokenizer),
+        cfg.format,
+        seq_len,
+        cfg.truncate,
+        cfg.bad_rows,
+        cfg.max_bad_fraction,
+        cfg.report_rows,
+    )
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -130,13 +149,28 @@ def cached_split(cfg: DataConfig, tokenizer, *, seq_len: int, split: str, what: 
     return _CACHE[key]
 
 
-def sft_examples(cfg: DataConfig, tokenizer, *, seq_len: int, split: str = "train"
-                 ) -> tuple[TokenizedRows, BadRowReport]:
+def sft_examples(
+    cfg: DataConfig, tokenizer, *, seq_len: int, split: str = "train"
+) -> tuple[TokenizedRows, BadRowReport]:
     """Validated, tokenised SFT examples of one split (cached per process) and their bad-row report."""
-    return cached_split(cfg, tokenizer, seq_len=seq_len, split=split, what="sft", tokenize=lambda source, name: (
-        tokenize_sft_rows(source, tokenizer, fmt=cfg.format, seq_len=seq_len, truncate=cfg.truncate,
-                          bad_rows=cfg.bad_rows, max_bad_fraction=cfg.max_bad_fraction,
-                          report_rows=cfg.report_rows, name=name)))
+    return cached_split(
+        cfg,
+        tokenizer,
+        seq_len=seq_len,
+        split=split,
+        what="sft",
+        tokenize=lambda source, name: tokenize_sft_rows(
+            source,
+            tokenizer,
+            fmt=cfg.format,
+            seq_len=seq_len,
+            truncate=cfg.truncate,
+            bad_rows=cfg.bad_rows,
+            max_bad_fraction=cfg.max_bad_fraction,
+            report_rows=cfg.report_rows,
+            name=name,
+        ),
+    )
 
 
 def clear_cache() -> None:
@@ -249,9 +283,9 @@ class DataIterator(grain.DatasetIterator):
         self.n_examples = n_examples
         self.epoch = 0
         self._examples = examples
-        self._fingerprint: Optional[str] = None
+        self._fingerprint: str | None = None
 
-    def _identity(self) -> Optional[dict[str, Any]]:
+    def _identity(self) -> dict[str, Any] | None:
         if self._examples is None:
             return None
         if self._fingerprint is None:  # hashed on the first save or resume only
@@ -280,12 +314,14 @@ class DataIterator(grain.DatasetIterator):
                 f"the training examples differ from those the checkpoint was taken on ({saved['count']} examples, "
                 f"fingerprint {saved['fingerprint'][:12]} then; {now['count']}, {now['fingerprint'][:12]} now): "
                 "resuming would repeat some rows and skip others. Restore the run's data files, tokenizer and "
-                "data/train settings, or start the stage again in a new run_dir")
+                "data/train settings, or start the stage again in a new run_dir"
+            )
         self._parent.set_state(state)
 
 
-def _examples_dataset(examples, *, seed: int, shuffle: bool, num_epochs: Optional[int], shard_index: int,
-                      shard_count: int) -> tuple[grain.MapDataset, int]:
+def _examples_dataset(
+    examples, *, seed: int, shuffle: bool, num_epochs: int | None, shard_index: int, shard_count: int
+) -> tuple[grain.MapDataset, int]:
     if not 0 <= shard_index < shard_count:
         raise ValueError(f"shard_index={shard_index} must be in [0, shard_count={shard_count})")
     ds = grain.MapDataset.source(examples)
@@ -315,54 +351,109 @@ def _finish(it_ds: grain.IterDataset, num_workers: int) -> grain.IterDataset:
     return it_ds
 
 
-def _pack_or_pad(ds: grain.IterDataset, cfg: DataConfig, *, batch_size: int, seq_len: int, seed: int,
-                 shuffle_bins: bool) -> grain.IterDataset:
+def _pack_or_pad(
+    ds: grain.IterDataset, cfg: DataConfig, *, batch_size: int, seq_len: int, seed: int, shuffle_bins: bool
+) -> grain.IterDataset:
     if cfg.packing:
         lengths = {"input_ids": seq_len, "target_ids": seq_len, "loss_mask": seq_len, "epoch": seq_len}
         return grain.experimental.FirstFitPackIterDataset(
-            ds, length_struct=lengths, num_packing_bins=cfg.packing_bins or batch_size, seed=seed,
-            shuffle_bins=shuffle_bins)
+            ds,
+            length_struct=lengths,
+            num_packing_bins=cfg.packing_bins or batch_size,
+            seed=seed,
+            shuffle_bins=shuffle_bins,
+        )
     return ds.map(_PadExample(seq_len))
 
 
-def make_sft_dataset(cfg: DataConfig, tokenizer, *, batch_size: int, seq_len: int, seed: Optional[int] = None,
-                     split: str = "train", shard_index: int = 0, shard_count: int = 1
-                     ) -> tuple[grain.IterDataset, BadRowReport, int]:
+def make_sft_dataset(
+    cfg: DataConfig,
+    tokenizer,
+    *,
+    batch_size: int,
+    seq_len: int,
+    seed: int | None = None,
+    split: str = "train",
+    shard_index: int = 0,
+    shard_count: int = 1,
+) -> tuple[grain.IterDataset, BadRowReport, int]:
     """(Grain dataset of SFT batches, bad-row report, examples per epoch) for one split.
 
     train: seeded shuffle, cfg.num_epochs passes (None: forever), full batches only.
     eval: one pass in file order, the last batch padded with empty rows (segment 0).
     batch_size is per process (rows of shard_index of shard_count).
     """
-    ds, rep, n, _ = _sft_dataset_and_examples(cfg, tokenizer, batch_size=batch_size, seq_len=seq_len, seed=seed,
-                                              split=split, shard_index=shard_index, shard_count=shard_count)
+    ds, rep, n, _ = _sft_dataset_and_examples(
+        cfg,
+        tokenizer,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        seed=seed,
+        split=split,
+        shard_index=shard_index,
+        shard_count=shard_count,
+    )
     return ds, rep, n
 
 
-def _sft_dataset_and_examples(cfg: DataConfig, tokenizer, *, batch_size: int, seq_len: int, seed: Optional[int],
-                              split: str, shard_index: int, shard_count: int):
+def _sft_dataset_and_examples(
+    cfg: DataConfig,
+    tokenizer,
+    *,
+    batch_size: int,
+    seq_len: int,
+    seed: int | None,
+    split: str,
+    shard_index: int,
+    shard_count: int,
+):
     """make_sft_dataset's work, also returning the tokenised examples (for the iterator's fingerprint)."""
     if batch_size < 1 or seq_len < 2:
         raise ValueError(f"need batch_size >= 1 and seq_len >= 2, got {batch_size} and {seq_len}")
     if cfg.format == "preference":
-        raise ValueError("data.format=preference is for DPO stages (make_preference_iterator); an SFT stage needs "
-                         "chat, prompt_completion or auto")
+        raise ValueError(
+            "data.format=preference is for DPO stages (make_preference_iterator); an SFT stage needs "
+            "chat, prompt_completion or auto"
+        )
     examples, rep = sft_examples(cfg, tokenizer, seq_len=seq_len, split=split)
     seed = cfg.shuffle_seed if seed is None else seed
-    ds, n = sft_batches(examples, cfg, batch_size=batch_size, seq_len=seq_len, seed=seed, train=split == "train",
-                        shard_index=shard_index, shard_count=shard_count)
+    ds, n = sft_batches(
+        examples,
+        cfg,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        seed=seed,
+        train=split == "train",
+        shard_index=shard_index,
+        shard_count=shard_count,
+    )
     return ds, rep, n, examples
 
 
-def sft_batches(examples, cfg: DataConfig, *, batch_size: int, seq_len: int, seed: int, train: bool,
-                shard_index: int = 0, shard_count: int = 1) -> tuple[grain.IterDataset, int]:
+def sft_batches(
+    examples,
+    cfg: DataConfig,
+    *,
+    batch_size: int,
+    seq_len: int,
+    seed: int,
+    train: bool,
+    shard_index: int = 0,
+    shard_count: int = 1,
+) -> tuple[grain.IterDataset, int]:
     """The Grain part: tokenised examples ({tokens, mask} of <= seq_len + 1 tokens) -> contract batches.
 
     Returns (dataset, examples per epoch of this shard). Uses cfg.shuffle, num_epochs,
     packing, packing_bins and num_workers.
     """
-    ds, n = _examples_dataset(examples, seed=seed, shuffle=train and cfg.shuffle, num_epochs=cfg.num_epochs if train else 1,
-                              shard_index=shard_index, shard_count=shard_count)
+    ds, n = _examples_dataset(
+        examples,
+        seed=seed,
+        shuffle=train and cfg.shuffle,
+        num_epochs=cfg.num_epochs if train else 1,
+        shard_index=shard_index,
+        shard_count=shard_count,
+    )
     it_ds = ds.map_with_index(_ShiftAndTag(n)).to_iter_dataset(_READ)
     it_ds = _pack_or_pad(it_ds, cfg, batch_size=batch_size, seq_len=seq_len, seed=seed, shuffle_bins=train)
     it_ds = it_ds.batch(batch_size, drop_remainder=train)
@@ -370,17 +461,33 @@ def sft_batches(examples, cfg: DataConfig, *, batch_size: int, seq_len: int, see
     return _finish(it_ds, cfg.num_workers), n
 
 
-def make_sft_iterator(cfg: DataConfig, tokenizer, *, batch_size: int, seq_len: int, seed: Optional[int] = None,
-                      split: str = "train", shard_index: int = 0, shard_count: int = 1) -> DataIterator:
+def make_sft_iterator(
+    cfg: DataConfig,
+    tokenizer,
+    *,
+    batch_size: int,
+    seq_len: int,
+    seed: int | None = None,
+    split: str = "train",
+    shard_index: int = 0,
+    shard_count: int = 1,
+) -> DataIterator:
     """Iterator of SFT batches (the batch contract, numpy [B, L]) with exact get_state/set_state.
 
     split='train' repeats per cfg.num_epochs; split='eval' is one finite pass over the
     held-out rows (build a new one for each evaluation). `.report` is the bad-row report,
     `.epoch` the epoch of the last batch. seed None uses cfg.shuffle_seed.
     """
-    ds, rep, n, examples = _sft_dataset_and_examples(cfg, tokenizer, batch_size=batch_size, seq_len=seq_len,
-                                                     seed=seed, split=split, shard_index=shard_index,
-                                                     shard_count=shard_count)
+    ds, rep, n, examples = _sft_dataset_and_examples(
+        cfg,
+        tokenizer,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        seed=seed,
+        split=split,
+        shard_index=shard_index,
+        shard_count=shard_count,
+    )
     return DataIterator(iter(ds), rep, n, examples)
 
 
@@ -393,7 +500,7 @@ class EvalPrompt:
 
     prompt_ids: np.ndarray
     """[P] int32: the conversation up to the assistant's generation prompt."""
-    task: Optional[dict[str, Any]]
+    task: dict[str, Any] | None
     """Verification metadata (e.g. {"kind": "arithmetic", "answer": "936", ...}); None if the row has none."""
     reference: str
     """The row's own final assistant answer (the SFT target)."""
@@ -401,8 +508,9 @@ class EvalPrompt:
     """Row index in the source."""
 
 
-def make_eval_prompts(cfg: DataConfig, tokenizer, *, split: str = "eval", limit: Optional[int] = None,
-                      report: Optional[BadRowReport] = None) -> list[EvalPrompt]:
+def make_eval_prompts(
+    cfg: DataConfig, tokenizer, *, split: str = "eval", limit: int | None = None, report: BadRowReport | None = None
+) -> list[EvalPrompt]:
     """Prompts of a split: every turn before the last assistant turn, with its task metadata.
 
     Rows that are bad for SFT are skipped; with `report` each one is counted there with its
@@ -450,8 +558,16 @@ class _PromptList:
         return list(prompts)
 
 
-def make_prompt_iterator(cfg: DataConfig, tokenizer, *, batch_size: int, seed: Optional[int] = None,
-                         split: str = "train", shard_index: int = 0, shard_count: int = 1) -> DataIterator:
+def make_prompt_iterator(
+    cfg: DataConfig,
+    tokenizer,
+    *,
+    batch_size: int,
+    seed: int | None = None,
+    split: str = "train",
+    shard_index: int = 0,
+    shard_count: int = 1,
+) -> DataIterator:
     """Iterator of prompt batches (lists of EvalPrompt with task metadata) for RL stages.
 
     Seeded shuffle and cfg.num_epochs passes over the split's prompts, full batches only,
@@ -461,14 +577,21 @@ def make_prompt_iterator(cfg: DataConfig, tokenizer, *, batch_size: int, seed: O
     prompts = make_eval_prompts(cfg, tokenizer, split=split, report=rep)
     rep.finish(cfg.max_bad_fraction)
     seed = cfg.shuffle_seed if seed is None else seed
-    ds, n = _examples_dataset(prompts, seed=seed, shuffle=cfg.shuffle, num_epochs=cfg.num_epochs,
-                              shard_index=shard_index, shard_count=shard_count)
+    ds, n = _examples_dataset(
+        prompts,
+        seed=seed,
+        shuffle=cfg.shuffle,
+        num_epochs=cfg.num_epochs,
+        shard_index=shard_index,
+        shard_count=shard_count,
+    )
     it_ds = ds.to_iter_dataset(_READ).batch(batch_size, drop_remainder=True, batch_fn=_PromptList())
     return DataIterator(iter(_finish(it_ds, cfg.num_workers)), rep, n, prompts)
 
 
-def batch_prompts(prompts: list[EvalPrompt], batch_size: int, pad_id: int, *, pad_to: Optional[int] = None,
-                  side: str = "left") -> Iterator[dict[str, Any]]:
+def batch_prompts(
+    prompts: list[EvalPrompt], batch_size: int, pad_id: int, *, pad_to: int | None = None, side: str = "left"
+) -> Iterator[dict[str, Any]]:
     """Fixed-shape prompt batches for generation (one compile per shape).
 
     Yields {"prompt_ids": int32 [B, P], "prompt_lens": int32 [B], "valid": bool [B],
@@ -483,14 +606,14 @@ def batch_prompts(prompts: list[EvalPrompt], batch_size: int, pad_id: int, *, pa
     if width < longest:
         raise ValueError(f"pad_to={pad_to} is shorter than the longest prompt ({longest} tokens)")
     for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start:start + batch_size]
+        chunk = prompts[start : start + batch_size]
         ids = np.full((batch_size, width), pad_id, np.int32)
         lens = np.zeros(batch_size, np.int32)
         for r, p in enumerate(chunk):
             n = len(p.prompt_ids)
             lens[r] = n
             if side == "left":
-                ids[r, width - n:] = p.prompt_ids
+                ids[r, width - n :] = p.prompt_ids
             else:
                 ids[r, :n] = p.prompt_ids
         valid = np.arange(batch_size) < len(chunk)
@@ -500,8 +623,9 @@ def batch_prompts(prompts: list[EvalPrompt], batch_size: int, pad_id: int, *, pa
 # --------------------------------------------------------------------------- packed vs unpacked
 
 
-def pack_examples(examples: list[dict[str, np.ndarray]], seq_len: int
-                  ) -> tuple[dict[str, np.ndarray], list[tuple[int, int, int]]]:
+def pack_examples(
+    examples: list[dict[str, np.ndarray]], seq_len: int
+) -> tuple[dict[str, np.ndarray], list[tuple[int, int, int]]]:
     """First-fit pack shifted examples ({input_ids, target_ids, loss_mask} [n_i]) into rows.
 
     Returns (batch in the contract layout [R, seq_len], placements) where placements[k] =
@@ -522,8 +646,9 @@ def pack_examples(examples: list[dict[str, np.ndarray]], seq_len: int
         else:
             rows.append([k])
             used.append(n)
-    batch = {key: np.zeros((len(rows), seq_len), np.float32 if key == "loss_mask" else np.int32)
-             for key in CONTRACT_KEYS}
+    batch = {
+        key: np.zeros((len(rows), seq_len), np.float32 if key == "loss_mask" else np.int32) for key in CONTRACT_KEYS
+    }
     placements: list[tuple[int, int, int]] = [(0, 0, 0)] * len(examples)
     for r, members in enumerate(rows):
         col = 0
@@ -531,9 +656,9 @@ def pack_examples(examples: list[dict[str, np.ndarray]], seq_len: int
             ex = examples[k]
             n = len(ex["input_ids"])
             for key in ("input_ids", "target_ids", "loss_mask"):
-                batch[key][r, col:col + n] = ex[key]
-            batch["segment_ids"][r, col:col + n] = s
-            batch["positions"][r, col:col + n] = np.arange(n)
+                batch[key][r, col : col + n] = ex[key]
+            batch["segment_ids"][r, col : col + n] = s
+            batch["positions"][r, col : col + n] = np.arange(n)
             placements[k] = (r, s, col)
             col += n
     return batch, placements
@@ -547,10 +672,13 @@ def unpacked_batch(examples: list[dict[str, np.ndarray]], seq_len: int) -> dict[
     return _ToContract().map(stacked)
 
 
-def shifted_examples(cfg: DataConfig, tokenizer, *, seq_len: int, n: int, split: str = "train"
-                     ) -> list[dict[str, np.ndarray]]:
+def shifted_examples(
+    cfg: DataConfig, tokenizer, *, seq_len: int, n: int, split: str = "train"
+) -> list[dict[str, np.ndarray]]:
     """The first n examples of a split as next-token features (for packed/unpacked checks)."""
     examples, _ = sft_examples(cfg, tokenizer, seq_len=seq_len, split=split)
     shift = _ShiftAndTag(len(examples))
-    return [{k: v for k, v in shift.map_with_index(i, examples[i]).items() if k != "epoch"}
-            for i in range(min(n, len(examples)))]
+    return [
+        {k: v for k, v in shift.map_with_index(i, examples[i]).items() if k != "epoch"}
+        for i in range(min(n, len(examples)))
+    ]

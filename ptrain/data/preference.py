@@ -18,7 +18,7 @@ Sequence-level sums over the loss mask give the per-sequence log-probs of the lo
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 import grain
 import numpy as np
@@ -34,8 +34,8 @@ from ptrain.data.chat import (
     tokenize_pass,
 )
 from ptrain.data.pipeline import (
-    DataIterator,
     _READ,
+    DataIterator,
     _examples_dataset,
     _finish,
     _pad,
@@ -82,14 +82,25 @@ class PreferencePairs:
         return {"chosen": c, "rejected": r, "index": i, "row": c["row"]}
 
 
-def tokenize_preference_rows(source, tokenizer, *, seq_len: int, truncate: bool, bad_rows: str = "skip",
-                             max_bad_fraction: float = 0.5, report_rows: int = 10, name: Optional[str] = None
-                             ) -> tuple[PreferencePairs, BadRowReport]:
+def tokenize_preference_rows(
+    source,
+    tokenizer,
+    *,
+    seq_len: int,
+    truncate: bool,
+    bad_rows: str = "skip",
+    max_bad_fraction: float = 0.5,
+    report_rows: int = 10,
+    name: str | None = None,
+) -> tuple[PreferencePairs, BadRowReport]:
     """Validate and tokenise every pair; each side holds at most seq_len + 1 tokens."""
 
     def tokenize(convs: list[tuple[list, list, list]]) -> list:
-        flat = [(prompt + completion, len(prompt)) for prompt, chosen, rejected in convs
-                for completion in (chosen, rejected)]
+        flat = [
+            (prompt + completion, len(prompt))
+            for prompt, chosen, rejected in convs
+            for completion in (chosen, rejected)
+        ]
         tokens = tokenize_conversations(tokenizer, flat)
         return [(tokens[2 * k], tokens[2 * k + 1]) for k in range(len(convs))]
 
@@ -103,22 +114,46 @@ def tokenize_preference_rows(source, tokenizer, *, seq_len: int, truncate: bool,
             cut = cut or was_cut
         (c_ids, c_mask), (r_ids, r_mask) = out
         if cut and np.array_equal(c_ids, r_ids) and np.array_equal(c_mask, r_mask):
-            raise RowProblem(R.IDENTICAL_PAIR, f"chosen and rejected differ only past data.seq_len={seq_len} "
-                                               "tokens, so truncation made them identical; raise seq_len or drop the pair")
+            raise RowProblem(
+                R.IDENTICAL_PAIR,
+                f"chosen and rejected differ only past data.seq_len={seq_len} "
+                "tokens, so truncation made them identical; raise seq_len or drop the pair",
+            )
         return tuple(out), cut
 
     rep = BadRowReport(source=name or repr(source), policy=bad_rows, keep_rows=report_rows)
-    pairs, rows = tokenize_pass(source, parse=preference_conversations, tokenize=tokenize, check=check, report=rep,
-                                max_bad_fraction=max_bad_fraction)
+    pairs, rows = tokenize_pass(
+        source,
+        parse=preference_conversations,
+        tokenize=tokenize,
+        check=check,
+        report=rep,
+        max_bad_fraction=max_bad_fraction,
+    )
     return PreferencePairs(TokenizedRows([p[0] for p in pairs], rows), TokenizedRows([p[1] for p in pairs], rows)), rep
 
 
-def preference_examples(cfg: DataConfig, tokenizer, *, seq_len: int, split: str = "train"
-                        ) -> tuple[PreferencePairs, BadRowReport]:
+def preference_examples(
+    cfg: DataConfig, tokenizer, *, seq_len: int, split: str = "train"
+) -> tuple[PreferencePairs, BadRowReport]:
     """Tokenised pairs of one split (cached per process) and their bad-row report."""
-    return cached_split(cfg, tokenizer, seq_len=seq_len, split=split, what="preference", tokenize=lambda source, name: (
-        tokenize_preference_rows(source, tokenizer, seq_len=seq_len, truncate=cfg.truncate, bad_rows=cfg.bad_rows,
-                                 max_bad_fraction=cfg.max_bad_fraction, report_rows=cfg.report_rows, name=name)))
+    return cached_split(
+        cfg,
+        tokenizer,
+        seq_len=seq_len,
+        split=split,
+        what="preference",
+        tokenize=lambda source, name: tokenize_preference_rows(
+            source,
+            tokenizer,
+            seq_len=seq_len,
+            truncate=cfg.truncate,
+            bad_rows=cfg.bad_rows,
+            max_bad_fraction=cfg.max_bad_fraction,
+            report_rows=cfg.report_rows,
+            name=name,
+        ),
+    )
 
 
 class _PairToArrays(grain.transforms.MapWithIndex):
@@ -158,9 +193,18 @@ class _PadPairBatch(grain.transforms.Map):
         return out
 
 
-def make_preference_iterator(cfg: DataConfig, tokenizer, *, batch_size: int, seq_len: int,
-                             seed: Optional[int] = None, split: str = "train", shuffle: Optional[bool] = None,
-                             shard_index: int = 0, shard_count: int = 1) -> DataIterator:
+def make_preference_iterator(
+    cfg: DataConfig,
+    tokenizer,
+    *,
+    batch_size: int,
+    seq_len: int,
+    seed: int | None = None,
+    split: str = "train",
+    shuffle: bool | None = None,
+    shard_index: int = 0,
+    shard_count: int = 1,
+) -> DataIterator:
     """Iterator of preference batches (see the module docstring) with exact get_state/set_state.
 
     split='train': seeded shuffle (cfg.shuffle, or the shuffle argument when given),
@@ -174,8 +218,14 @@ def make_preference_iterator(cfg: DataConfig, tokenizer, *, batch_size: int, seq
     seed = cfg.shuffle_seed if seed is None else seed
     train = split == "train"
     do_shuffle = (train and cfg.shuffle) if shuffle is None else shuffle
-    ds, n = _examples_dataset(pairs, seed=seed, shuffle=do_shuffle, num_epochs=cfg.num_epochs if train else 1,
-                              shard_index=shard_index, shard_count=shard_count)
+    ds, n = _examples_dataset(
+        pairs,
+        seed=seed,
+        shuffle=do_shuffle,
+        num_epochs=cfg.num_epochs if train else 1,
+        shard_index=shard_index,
+        shard_count=shard_count,
+    )
     it_ds = ds.map_with_index(_PairToArrays(seq_len, n)).to_iter_dataset(_READ)
     it_ds = it_ds.batch(batch_size, drop_remainder=train)
     if not train:
@@ -183,14 +233,23 @@ def make_preference_iterator(cfg: DataConfig, tokenizer, *, batch_size: int, seq
     return DataIterator(iter(_finish(it_ds, cfg.num_workers)), rep, n, pairs)
 
 
-def make_preference_pass(cfg: DataConfig, tokenizer, *, batch_size: int, seq_len: int, split: str = "train",
-                         shard_index: int = 0, shard_count: int = 1) -> DataIterator:
+def make_preference_pass(
+    cfg: DataConfig,
+    tokenizer,
+    *,
+    batch_size: int,
+    seq_len: int,
+    split: str = "train",
+    shard_index: int = 0,
+    shard_count: int = 1,
+) -> DataIterator:
     """One in-order pass over a split's pairs, last batch padded: for precomputing per-pair values
     (e.g. reference log-probs, stored by pair_index)."""
     one = dataclasses.replace(cfg, num_epochs=1, shuffle=False)
     pairs, rep = preference_examples(one, tokenizer, seq_len=seq_len, split=split)
-    ds, n = _examples_dataset(pairs, seed=0, shuffle=False, num_epochs=1, shard_index=shard_index,
-                              shard_count=shard_count)
+    ds, n = _examples_dataset(
+        pairs, seed=0, shuffle=False, num_epochs=1, shard_index=shard_index, shard_count=shard_count
+    )
     it_ds = ds.map_with_index(_PairToArrays(seq_len, n)).to_iter_dataset(_READ)
     it_ds = it_ds.batch(batch_size, drop_remainder=False).map(_PadPairBatch(batch_size))
     return DataIterator(iter(it_ds), rep, n)

@@ -22,8 +22,18 @@ NO_TARGET = "no_target_after_truncation"
 EMPTY_COMPLETION = "empty_completion"
 IDENTICAL_PAIR = "identical_pair"
 TEMPLATE_ERROR = "template_error"  # the tokenizer's chat template rejected the row (raise_exception)
-REASONS = (INVALID_JSON, MISSING_FIELD, WRONG_TYPE, UNKNOWN_ROLE, EMPTY_ASSISTANT, TOO_LONG, NO_TARGET,
-           EMPTY_COMPLETION, IDENTICAL_PAIR, TEMPLATE_ERROR)
+REASONS = (
+    INVALID_JSON,
+    MISSING_FIELD,
+    WRONG_TYPE,
+    UNKNOWN_ROLE,
+    EMPTY_ASSISTANT,
+    TOO_LONG,
+    NO_TARGET,
+    EMPTY_COMPLETION,
+    IDENTICAL_PAIR,
+    TEMPLATE_ERROR,
+)
 
 
 class BadRowError(ValueError):
@@ -65,22 +75,24 @@ class BadRowReport:
             raise ValueError(f"unknown bad-row reason '{reason}'")
         message = f"{where}: {reason}: {problem}"
         if self.policy == "fail":
-            raise BadRowError(f"bad row in {message}. Fix the row, or pass data.bad_rows=skip to drop and "
-                              "count bad rows instead")
+            raise BadRowError(
+                f"bad row in {message}. Fix the row, or pass data.bad_rows=skip to drop and count bad rows instead"
+            )
         self.counts[reason] = self.counts.get(reason, 0) + 1
         kept = self.rows.setdefault(reason, [])
         if len(kept) < self.keep_rows:
             kept.append(index)
         self.first_message.setdefault(reason, message)
 
-    def finish(self, max_bad_fraction: float) -> "BadRowReport":
+    def finish(self, max_bad_fraction: float) -> BadRowReport:
         """Raise when nothing usable is left or the bad fraction is above max_bad_fraction."""
         if self.total == 0:
             raise BadRowError(f"{self.source} has no rows; pass a non-empty file")
         if self.good == 0 or self.bad / self.total > max_bad_fraction:
             raise BadRowError(
                 f"{self.bad} of {self.total} rows of {self.source} are bad (more than data.max_bad_fraction="
-                f"{max_bad_fraction}); check data.format and the file. {self.summary()}")
+                f"{max_bad_fraction}); check data.format and the file. {self.summary()}"
+            )
         return self
 
     def summary(self) -> str:
@@ -94,14 +106,20 @@ class BadRowReport:
         for reason in REASONS:
             if reason in self.counts:
                 more = "..." if self.counts[reason] > len(self.rows[reason]) else ""
-                lines.append(f"  {reason}: {self.counts[reason]} (rows {self.rows[reason]}{more}); first: "
-                             f"{self.first_message[reason]}")
+                lines.append(
+                    f"  {reason}: {self.counts[reason]} (rows {self.rows[reason]}{more}); first: "
+                    f"{self.first_message[reason]}"
+                )
         return "\n".join(lines)
 
     def as_metrics(self, prefix: str = "data/") -> dict[str, float]:
         """Flat float metrics: rows, good, bad, truncated and bad/<reason> counts."""
-        out = {f"{prefix}rows": float(self.total), f"{prefix}good_rows": float(self.good),
-               f"{prefix}bad_rows": float(self.bad), f"{prefix}truncated_rows": float(self.truncated)}
+        out = {
+            f"{prefix}rows": float(self.total),
+            f"{prefix}good_rows": float(self.good),
+            f"{prefix}bad_rows": float(self.bad),
+            f"{prefix}truncated_rows": float(self.truncated),
+        }
         for reason, n in self.counts.items():
             out[f"{prefix}bad_rows/{reason}"] = float(n)
         return out

@@ -17,7 +17,8 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -109,8 +110,9 @@ class TableSource:
         try:
             self._table = pa.concat_tables(tables, promote_options="default") if len(tables) > 1 else tables[0]
         except pa.ArrowInvalid as e:
-            raise ValueError(f"the {kind} shards of '{path}' have incompatible columns ({e}); pass shards of one "
-                             "dataset split") from None
+            raise ValueError(
+                f"the {kind} shards of '{path}' have incompatible columns ({e}); pass shards of one dataset split"
+            ) from None
 
     def __len__(self) -> int:
         return self._table.num_rows
@@ -156,8 +158,10 @@ def _read_table(path: str, kind: str):
         try:
             return pa.ipc.open_file(pa.memory_map(path)).read_all()
         except pa.ArrowInvalid as e:
-            raise ValueError(f"{path} is neither an Arrow stream nor an Arrow file ({e}); pass a valid .arrow "
-                             "file (as `datasets` or pyarrow.ipc write them), or a .parquet or .jsonl file") from None
+            raise ValueError(
+                f"{path} is neither an Arrow stream nor an Arrow file ({e}); pass a valid .arrow "
+                "file (as `datasets` or pyarrow.ipc write them), or a .parquet or .jsonl file"
+            ) from None
 
 
 class ListSource:
@@ -203,8 +207,10 @@ def table_files(path: str, kind: str = "parquet") -> list[str]:
         files = sorted(f for f in glob.glob(path) if os.path.isfile(f))
     if not files:
         ext = TABLE_EXTENSIONS[kind][0]
-        raise FileNotFoundError(f"no {kind} data at '{path}'; pass a local {ext} file, a folder of them or a "
-                                f"glob such as data/train-*{ext} (nothing is downloaded)")
+        raise FileNotFoundError(
+            f"no {kind} data at '{path}'; pass a local {ext} file, a folder of them or a "
+            f"glob such as data/train-*{ext} (nothing is downloaded)"
+        )
     return files
 
 

@@ -15,12 +15,13 @@ import argparse
 import dataclasses
 import time
 
-
 from ptrain.config.data import DataConfig, GeneratedTaskConfig
 from ptrain.data.pipeline import clear_cache, make_sft_iterator, sft_examples
 
 
-def packing_stats(cfg: DataConfig, tokenizer, *, batch_size: int, seq_len: int, n_batches: int = 50) -> dict[str, float]:
+def packing_stats(
+    cfg: DataConfig, tokenizer, *, batch_size: int, seq_len: int, n_batches: int = 50
+) -> dict[str, float]:
     """Fill (real tokens / slots), loss fraction (loss tokens / slots), examples per row, over n_batches."""
     it = make_sft_iterator(cfg, tokenizer, batch_size=batch_size, seq_len=seq_len)
     fill = loss = segs = 0.0
@@ -64,8 +65,13 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
 
     tok = load_tokenizer(args.tokenizer) if args.tokenizer else build_tokenizer()
-    cfg = DataConfig(generated=GeneratedTaskConfig(n_train=args.n_train, n_eval=16), packing=not args.no_packing,
-                     packing_bins=args.bins, format=args.format, max_bad_fraction=1.0)
+    cfg = DataConfig(
+        generated=GeneratedTaskConfig(n_train=args.n_train, n_eval=16),
+        packing=not args.no_packing,
+        packing_bins=args.bins,
+        format=args.format,
+        max_bad_fraction=1.0,
+    )
     if args.train_path:
         kind = "parquet" if args.train_path.endswith((".parquet", ".pq")) else "jsonl"
         cfg = dataclasses.replace(cfg, source=kind, train_path=args.train_path)
@@ -85,10 +91,14 @@ def main(argv=None) -> None:
     t_it = time.perf_counter() - t0
     st = packing_stats(cfg, tok, batch_size=args.batch_size, seq_len=args.seq_len, n_batches=min(args.batches, 50))
     slots = args.batch_size * args.seq_len
-    print(f"tokenise: {len(examples)} rows in {t_tok:.2f} s = {len(examples) / t_tok:,.0f} rows/s; "
-          f"example length (next-token pairs) mean {lengths.mean():.1f} min {lengths.min()} max {lengths.max()}")
-    print(f"iterator: {args.batches / t_it:,.1f} batches/s = {args.batches * slots / t_it:,.0f} token slots/s "
-          f"(batch {args.batch_size} x {args.seq_len}, packing={'on' if cfg.packing else 'off'})")
+    print(
+        f"tokenise: {len(examples)} rows in {t_tok:.2f} s = {len(examples) / t_tok:,.0f} rows/s; "
+        f"example length (next-token pairs) mean {lengths.mean():.1f} min {lengths.min()} max {lengths.max()}"
+    )
+    print(
+        f"iterator: {args.batches / t_it:,.1f} batches/s = {args.batches * slots / t_it:,.0f} token slots/s "
+        f"(batch {args.batch_size} x {args.seq_len}, packing={'on' if cfg.packing else 'off'})"
+    )
     print(f"fill {st['fill']:.3f}  loss tokens {st['loss_fraction']:.3f}  examples/row {st['examples_per_row']:.2f}")
 
 

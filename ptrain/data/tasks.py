@@ -37,8 +37,9 @@ import json
 import os
 import random
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any
 
 ANSWER_PREFIX = "Answer:"
 _ANSWER_RE = re.compile(r"Answer:\s*(-?\d+)")
@@ -74,7 +75,7 @@ def _digits_rev(n: int, width: int) -> list[int]:
     return [(n // 10**i) % 10 for i in range(width)]
 
 
-def worked_solution(p: Problem, fault: Optional[tuple[str, int]] = None) -> str:
+def worked_solution(p: Problem, fault: tuple[str, int] | None = None) -> str:
     """The column-by-column solution text of p, ending in `Answer: <n>`.
 
     fault: None for the correct solution, or (kind, column) to inject one plausible slip
@@ -127,7 +128,7 @@ def _faults(p: Problem) -> list[tuple[str, int]]:
 # --------------------------------------------------------------------------- verifier
 
 
-def extract_answer(completion: str) -> Optional[str]:
+def extract_answer(completion: str) -> str | None:
     """The integer after the last `Answer:` in completion, normalised ('007' -> '7'); None if absent."""
     found = _ANSWER_RE.findall(completion)
     if not found:
@@ -166,8 +167,15 @@ def _space_size(ops: Sequence[str], min_digits: int, max_digits: int) -> int:
     return total
 
 
-def generate_problems(n_train: int, n_eval: int, *, ops: Sequence[str] = ("+", "-"), min_digits: int = 2,
-                      max_digits: int = 3, seed: int = 0) -> tuple[list[Problem], list[Problem]]:
+def generate_problems(
+    n_train: int,
+    n_eval: int,
+    *,
+    ops: Sequence[str] = ("+", "-"),
+    min_digits: int = 2,
+    max_digits: int = 3,
+    seed: int = 0,
+) -> tuple[list[Problem], list[Problem]]:
     """Draw n_eval held-out then n_train training problems, all distinct, deterministically.
 
     The held-out set is drawn first, so it does not change when n_train changes.
@@ -177,7 +185,8 @@ def generate_problems(n_train: int, n_eval: int, *, ops: Sequence[str] = ("+", "
         raise ValueError(
             f"only about {_space_size(ops, min_digits, max_digits)} distinct problems exist for ops={list(ops)} "
             f"digits {min_digits}..{max_digits}; n_train + n_eval = {need} is too many. Lower data.generated.n_train "
-            "or raise data.generated.max_digits")
+            "or raise data.generated.max_digits"
+        )
     rng = random.Random(seed)
     seen: set[Problem] = set()
     out: list[Problem] = []
@@ -192,8 +201,7 @@ def generate_problems(n_train: int, n_eval: int, *, ops: Sequence[str] = ("+", "
 def chat_record(p: Problem) -> dict[str, Any]:
     """SFT / eval / RL record: user question, assistant worked solution, task metadata."""
     return {
-        "messages": [{"role": "user", "content": p.question()},
-                     {"role": "assistant", "content": worked_solution(p)}],
+        "messages": [{"role": "user", "content": p.question()}, {"role": "assistant", "content": worked_solution(p)}],
         "task": p.metadata(),
     }
 
@@ -210,9 +218,16 @@ def preference_record(p: Problem, rng: random.Random) -> dict[str, Any]:
     }
 
 
-def generate_records(n_train: int, n_eval: int, *, kind: str = "chat", ops: Sequence[str] = ("+", "-"),
-                     min_digits: int = 2, max_digits: int = 3, seed: int = 0
-                     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def generate_records(
+    n_train: int,
+    n_eval: int,
+    *,
+    kind: str = "chat",
+    ops: Sequence[str] = ("+", "-"),
+    min_digits: int = 2,
+    max_digits: int = 3,
+    seed: int = 0,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(train, eval) records of kind 'chat' (SFT) or 'preference' (DPO), deterministic in all arguments."""
     train, held = generate_problems(n_train, n_eval, ops=ops, min_digits=min_digits, max_digits=max_digits, seed=seed)
     if kind == "chat":

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Optional
 
 from ptrain.data import tasks
 
@@ -58,7 +57,7 @@ def _training_text() -> list[str]:
     return tasks.sample_text() + _GENERIC_TEXT.splitlines() * 20 + roles
 
 
-def build_tokenizer(out_dir: Optional[str] = None, vocab_size: int = 512):
+def build_tokenizer(out_dir: str | None = None, vocab_size: int = 512):
     """Train the embedded byte-level BPE tokenizer; save it to out_dir when given.
 
     Returns a `transformers.PreTrainedTokenizerFast` with eos=<|endoftext|>, pad=<|pad|>,
@@ -68,13 +67,16 @@ def build_tokenizer(out_dir: Optional[str] = None, vocab_size: int = 512):
     from transformers import PreTrainedTokenizerFast
 
     if vocab_size < 256 + len(SPECIAL_TOKENS):
-        raise ValueError(f"vocab_size={vocab_size} is below 256 bytes + {len(SPECIAL_TOKENS)} special tokens; "
-                         "pass at least 260")
+        raise ValueError(
+            f"vocab_size={vocab_size} is below 256 bytes + {len(SPECIAL_TOKENS)} special tokens; pass at least 260"
+        )
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -141,19 +143,23 @@ def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
-        raise FileNotFoundError(f"no tokenizer.json in '{path}'; pass a local Hugging Face tokenizer folder "
-                                "(or leave data.tokenizer_path null for the embedded tokenizer)")
+        raise FileNotFoundError(
+            f"no tokenizer.json in '{path}'; pass a local Hugging Face tokenizer folder "
+            "(or leave data.tokenizer_path null for the embedded tokenizer)"
+        )
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if not getattr(tok, "chat_template", None):
-        raise ValueError(f"the tokenizer in '{path}' has no chat template; chat and preference rows need one. "
-                         "Add chat_template to its tokenizer_config.json (or chat_template.jinja)")
+        raise ValueError(
+            f"the tokenizer in '{path}' has no chat template; chat and preference rows need one. "
+            "Add chat_template to its tokenizer_config.json (or chat_template.jinja)"
+        )
     if tok.pad_token_id is None:
         # Padding positions are masked everywhere; any id works, eos is the usual choice.
         tok.pad_token = tok.eos_token
     return tok
 
 
-def get_tokenizer(tokenizer_path: Optional[str], out_dir: Optional[str] = None, vocab_size: int = 512):
+def get_tokenizer(tokenizer_path: str | None, out_dir: str | None = None, vocab_size: int = 512):
     """The run's tokenizer: load tokenizer_path if given, else build the embedded one.
 
     out_dir: where to save (or reuse) the embedded tokenizer, e.g. <run_dir>/tokenizer;

@@ -13,16 +13,41 @@ of the policy, the reference and the rollout engine are inputs.
 """
 
 from ptrain.losses.advantages import AdvantageAux, group_advantages
-from ptrain.losses.logprobs import (VocabStats, entropy_from_logits, sequence_logprobs, token_logprobs,
-                                    token_logprobs_from_hidden, vocab_stats, vocab_stats_from_hidden)
+from ptrain.losses.logprobs import (
+    VocabStats,
+    entropy_from_logits,
+    sequence_logprobs,
+    token_logprobs,
+    token_logprobs_from_hidden,
+    vocab_stats,
+    vocab_stats_from_hidden,
+)
 from ptrain.losses.policy import PolicyAux, kl_penalty, policy_loss
 from ptrain.losses.preference import PREFERENCE_KINDS, PreferenceAux, preference_loss
 from ptrain.losses.reduce import masked_mean, safe_divide
 from ptrain.losses.sft import SFTAux, sft_loss, sft_loss_from_stats, sft_token_losses, token_losses_from_stats
 
 __all__ = [
-    "AdvantageAux", "PREFERENCE_KINDS", "PolicyAux", "PreferenceAux", "SFTAux", "VocabStats",
-    "entropy_from_logits", "group_advantages", "kl_penalty", "masked_mean", "policy_loss", "preference_loss",
-    "safe_divide", "sequence_logprobs", "sft_loss", "sft_loss_from_stats", "sft_token_losses", "token_logprobs",
-    "token_logprobs_from_hidden", "token_losses_from_stats", "vocab_stats", "vocab_stats_from_hidden",
+    "AdvantageAux",
+    "PREFERENCE_KINDS",
+    "PolicyAux",
+    "PreferenceAux",
+    "SFTAux",
+    "VocabStats",
+    "entropy_from_logits",
+    "group_advantages",
+    "kl_penalty",
+    "masked_mean",
+    "policy_loss",
+    "preference_loss",
+    "safe_divide",
+    "sequence_logprobs",
+    "sft_loss",
+    "sft_loss_from_stats",
+    "sft_token_losses",
+    "token_logprobs",
+    "token_logprobs_from_hidden",
+    "token_losses_from_stats",
+    "vocab_stats",
+    "vocab_stats_from_hidden",
 ]

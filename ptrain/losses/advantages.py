@@ -24,64 +24,69 @@ BASELINES = ("mean", "leave_one_out")
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AdvantageAux:
-  """Group statistics, float32 scalars.
+    """Group statistics, float32 scalars.
 
-  Attributes:
-    frac_zero_std: fraction of groups whose rewards are all equal.
-    reward_mean: mean reward over all samples.
-    reward_std: mean over groups of the within-group standard deviation.
-    advantage_abs_mean: mean |A|.
-  """
+    Attributes:
+      frac_zero_std: fraction of groups whose rewards are all equal.
+      reward_mean: mean reward over all samples.
+      reward_std: mean over groups of the within-group standard deviation.
+      advantage_abs_mean: mean |A|.
+    """
 
-  frac_zero_std: jax.Array
-  reward_mean: jax.Array
-  reward_std: jax.Array
-  advantage_abs_mean: jax.Array
+    frac_zero_std: jax.Array
+    reward_mean: jax.Array
+    reward_std: jax.Array
+    advantage_abs_mean: jax.Array
 
 
-def group_advantages(rewards_BxG: jax.Array, *, baseline: str = "mean", normalize_std: bool = True,
-                     eps: float = 1e-6, ddof: int = 1) -> tuple[jax.Array, AdvantageAux]:
-  """Group-normalised advantages (formulas in the module docstring).
+def group_advantages(
+    rewards_BxG: jax.Array, *, baseline: str = "mean", normalize_std: bool = True, eps: float = 1e-6, ddof: int = 1
+) -> tuple[jax.Array, AdvantageAux]:
+    """Group-normalised advantages (formulas in the module docstring).
 
-  Args:
-    rewards_BxG: `[B, G]` scalar reward of each of the G samples of each of B prompts.
-      Flat `[B * G]` rewards with prompt-major order reshape with `.reshape(B, G)`.
-    baseline: "mean" or "leave_one_out".
-    normalize_std: divide by (group std + eps).
-    eps: added to the std.
-    ddof: delta degrees of freedom of the std (1: sample std; 0: population std).
+    Args:
+      rewards_BxG: `[B, G]` scalar reward of each of the G samples of each of B prompts.
+        Flat `[B * G]` rewards with prompt-major order reshape with `.reshape(B, G)`.
+      baseline: "mean" or "leave_one_out".
+      normalize_std: divide by (group std + eps).
+      eps: added to the std.
+      ddof: delta degrees of freedom of the std (1: sample std; 0: population std).
 
-  Returns:
-    (advantages_BxG float32, AdvantageAux).
-  """
-  rewards = jnp.asarray(rewards_BxG, jnp.float32)
-  if rewards.ndim != 2:
-    raise ValueError(f"rewards must be [B, G] (prompts x samples per prompt), got shape {tuple(rewards.shape)}; "
-                     "reshape flat prompt-major rewards with rewards.reshape(num_prompts, group_size).")
-  group = rewards.shape[1]
-  if baseline not in BASELINES:
-    raise ValueError(f"baseline must be one of {BASELINES}, got {baseline!r}.")
-  if group < 2 and (baseline == "leave_one_out" or normalize_std):
-    raise ValueError(f"group size {group} is too small: leave_one_out and the std need at least 2 samples per "
-                     "prompt (set G >= 2).")
-  if ddof not in (0, 1):
-    raise ValueError(f"ddof must be 0 or 1, got {ddof!r}.")
-  if not eps >= 0:
-    raise ValueError(f"eps must be >= 0, got {eps!r}.")
+    Returns:
+      (advantages_BxG float32, AdvantageAux).
+    """
+    rewards = jnp.asarray(rewards_BxG, jnp.float32)
+    if rewards.ndim != 2:
+        raise ValueError(
+            f"rewards must be [B, G] (prompts x samples per prompt), got shape {tuple(rewards.shape)}; "
+            "reshape flat prompt-major rewards with rewards.reshape(num_prompts, group_size)."
+        )
+    group = rewards.shape[1]
+    if baseline not in BASELINES:
+        raise ValueError(f"baseline must be one of {BASELINES}, got {baseline!r}.")
+    if group < 2 and (baseline == "leave_one_out" or normalize_std):
+        raise ValueError(
+            f"group size {group} is too small: leave_one_out and the std need at least 2 samples per "
+            "prompt (set G >= 2)."
+        )
+    if ddof not in (0, 1):
+        raise ValueError(f"ddof must be 0 or 1, got {ddof!r}.")
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps!r}.")
 
-  mean = jnp.mean(rewards, axis=1, keepdims=True)
-  centred = rewards - mean
-  if baseline == "leave_one_out":
-    centred = centred * (group / (group - 1))
-  std = jnp.sqrt(jnp.sum(jnp.square(rewards - mean), axis=1, keepdims=True) / max(group - ddof, 1))
-  adv = centred / (std + eps) if normalize_std else centred
-  # Exact equality, not std < tol: a group is degenerate only when every reward is identical.
-  zero_std = jnp.max(rewards, axis=1, keepdims=True) == jnp.min(rewards, axis=1, keepdims=True)
-  adv = jnp.where(zero_std, 0.0, adv)
-  aux = AdvantageAux(
-      frac_zero_std=jnp.mean(zero_std.astype(jnp.float32)),
-      reward_mean=jnp.mean(rewards),
-      reward_std=jnp.mean(std),
-      advantage_abs_mean=jnp.mean(jnp.abs(adv)),
-  )
-  return adv, aux
+    mean = jnp.mean(rewards, axis=1, keepdims=True)
+    centred = rewards - mean
+    if baseline == "leave_one_out":
+        centred = centred * (group / (group - 1))
+    std = jnp.sqrt(jnp.sum(jnp.square(rewards - mean), axis=1, keepdims=True) / max(group - ddof, 1))
+    adv = centred / (std + eps) if normalize_std else centred
+    # Exact equality, not std < tol: a group is degenerate only when every reward is identical.
+    zero_std = jnp.max(rewards, axis=1, keepdims=True) == jnp.min(rewards, axis=1, keepdims=True)
+    adv = jnp.where(zero_std, 0.0, adv)
+    aux = AdvantageAux(
+        frac_zero_std=jnp.mean(zero_std.astype(jnp.float32)),
+        reward_mean=jnp.mean(rewards),
+        reward_std=jnp.mean(std),
+        advantage_abs_mean=jnp.mean(jnp.abs(adv)),
+    )
+    return adv, aux

@@ -69,287 +69,367 @@ _LOG_RATIO_LIMIT = 20.0  # exp(20) ~ 5e8: beyond it a ratio is meaningless and o
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PolicyAux:
-  """Metrics of one policy-loss call, float32 scalars (token means over the kept tokens).
+    """Metrics of one policy-loss call, float32 scalars (token means over the kept tokens).
 
-  Attributes:
-    pg_loss: aggregated policy term (after IS weights), without KL and entropy.
-    kl_loss: aggregated KL estimate to the reference, unscaled (0 without ref_logp).
-    entropy: token mean of the entropy (0 without entropy).
-    clip_frac_low: fraction of tokens clipped at 1 - clip_low (ppo: with A < 0; cispo: any A).
-    clip_frac_high: fraction clipped at 1 + clip_high (ppo: with A > 0; cispo: any A).
-    clip_frac_dual: fraction where the dual clip is active (A < 0 and r > c).
-    approx_kl: token mean of k3 estimating KL(pi_old || pi_theta), x = logp - old (how far
-      the policy moved since the rollout).
-    ratio_mean, ratio_max: of the policy ratio r.
-    is_ratio_mean, is_ratio_max: of the engine-to-trainer weight w before truncation/masking
-      (1 without engine log-probs).
-    mismatch_kl: token mean of k3 estimating KL(pi_engine || pi_old), x = old - eng.
-    mult_prob_error: token mean of exp(|old - eng|) (1 means identical).
-    frac_is_masked: fraction of tokens whose weight MIS set to 0.
-    frac_seq_dropped: fraction of sequences dropped by max_seq_mult_prob_error.
-    token_count: number of kept tokens (after drops).
-    seq_count: number of kept sequences with at least one token.
-  """
+    Attributes:
+      pg_loss: aggregated policy term (after IS weights), without KL and entropy.
+      kl_loss: aggregated KL estimate to the reference, unscaled (0 without ref_logp).
+      entropy: token mean of the entropy (0 without entropy).
+      clip_frac_low: fraction of tokens clipped at 1 - clip_low (ppo: with A < 0; cispo: any A).
+      clip_frac_high: fraction clipped at 1 + clip_high (ppo: with A > 0; cispo: any A).
+      clip_frac_dual: fraction where the dual clip is active (A < 0 and r > c).
+      approx_kl: token mean of k3 estimating KL(pi_old || pi_theta), x = logp - old (how far
+        the policy moved since the rollout).
+      ratio_mean, ratio_max: of the policy ratio r.
+      is_ratio_mean, is_ratio_max: of the engine-to-trainer weight w before truncation/masking
+        (1 without engine log-probs).
+      mismatch_kl: token mean of k3 estimating KL(pi_engine || pi_old), x = old - eng.
+      mult_prob_error: token mean of exp(|old - eng|) (1 means identical).
+      frac_is_masked: fraction of tokens whose weight MIS set to 0.
+      frac_seq_dropped: fraction of sequences dropped by max_seq_mult_prob_error.
+      token_count: number of kept tokens (after drops).
+      seq_count: number of kept sequences with at least one token.
+    """
 
-  pg_loss: jax.Array
-  kl_loss: jax.Array
-  entropy: jax.Array
-  clip_frac_low: jax.Array
-  clip_frac_high: jax.Array
-  clip_frac_dual: jax.Array
-  approx_kl: jax.Array
-  ratio_mean: jax.Array
-  ratio_max: jax.Array
-  is_ratio_mean: jax.Array
-  is_ratio_max: jax.Array
-  mismatch_kl: jax.Array
-  mult_prob_error: jax.Array
-  frac_is_masked: jax.Array
-  frac_seq_dropped: jax.Array
-  token_count: jax.Array
-  seq_count: jax.Array
+    pg_loss: jax.Array
+    kl_loss: jax.Array
+    entropy: jax.Array
+    clip_frac_low: jax.Array
+    clip_frac_high: jax.Array
+    clip_frac_dual: jax.Array
+    approx_kl: jax.Array
+    ratio_mean: jax.Array
+    ratio_max: jax.Array
+    is_ratio_mean: jax.Array
+    is_ratio_max: jax.Array
+    mismatch_kl: jax.Array
+    mult_prob_error: jax.Array
+    frac_is_masked: jax.Array
+    frac_seq_dropped: jax.Array
+    token_count: jax.Array
+    seq_count: jax.Array
 
 
 def kl_penalty(logp_BxL: jax.Array, ref_logp_BxL: jax.Array, estimator: str = "k3") -> jax.Array:
-  """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta (module docstring)."""
-  if estimator not in KL_ESTIMATORS:
-    raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}.")
-  x = jnp.clip(ref_logp_BxL - logp_BxL, -_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
-  if estimator == "k1":
-    return -x
-  if estimator == "k2":
-    return 0.5 * jnp.square(x)
-  return jnp.expm1(x) - x
+    """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta (module docstring)."""
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}.")
+    x = jnp.clip(ref_logp_BxL - logp_BxL, -_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
+    if estimator == "k1":
+        return -x
+    if estimator == "k2":
+        return 0.5 * jnp.square(x)
+    return jnp.expm1(x) - x
 
 
-def _check_policy_args(logp, mask, advantages, named, *, objective, clip_low, clip_high, dual_clip, ratio_level,
-                       aggregation, norm_constant, denominator, kl_coef, kl_estimator, entropy_coef, is_correction,
-                       is_level, is_low, is_high, max_seq_mult_prob_error):
-  if logp.ndim != 2:
-    raise ValueError(f"logp must be [B, L] per-token log-probs, got shape {tuple(logp.shape)}.")
-  if mask.shape != logp.shape:
-    raise ValueError(f"mask has shape {tuple(mask.shape)}, expected logp's {tuple(logp.shape)}.")
-  for name, x in named.items():
-    if x is not None and x.shape != logp.shape:
-      raise ValueError(f"{name} has shape {tuple(x.shape)}, expected logp's {tuple(logp.shape)}.")
-  if advantages.shape not in ((logp.shape[0],), tuple(logp.shape)):
-    raise ValueError(f"advantages must be per sequence [B] = [{logp.shape[0]}] or per token {tuple(logp.shape)}, "
-                     f"got {tuple(advantages.shape)}.")
-  choices = dict(objective=(objective, OBJECTIVES), ratio_level=(ratio_level, RATIO_LEVELS),
-                 aggregation=(aggregation, AGGREGATIONS), kl_estimator=(kl_estimator, KL_ESTIMATORS),
-                 is_correction=(is_correction, IS_CORRECTIONS), is_level=(is_level, IS_LEVELS))
-  for name, (value, allowed) in choices.items():
-    if value not in allowed:
-      raise ValueError(f"{name} must be one of {allowed}, got {value!r}.")
-  if not clip_low >= 0 or not clip_high >= 0:
-    raise ValueError(f"clip_low and clip_high must be >= 0 (ratio kept in [1 - clip_low, 1 + clip_high]), "
-                     f"got {clip_low!r}, {clip_high!r}.")
-  if dual_clip is not None:
-    if objective != "ppo":
-      raise ValueError("dual_clip applies to objective='ppo' only; set it to None.")
-    if not dual_clip > 1.0:
-      raise ValueError(f"dual_clip must be > 1 (a bound on -A r for negative advantages), got {dual_clip!r}.")
-  for name, value in (("norm_constant", norm_constant), ("denominator", denominator)):
-    if isinstance(value, (int, float)) and not value > 0:
-      raise ValueError(f"{name} must be > 0 (it divides the loss), got {value!r}.")
-  if norm_constant is not None and aggregation != "seq_mean_token_sum_norm":
-    raise ValueError(f"norm_constant is only used by aggregation='seq_mean_token_sum_norm', not {aggregation!r}.")
-  if kl_coef < 0 or entropy_coef < 0:
-    raise ValueError(f"kl_coef and entropy_coef must be >= 0, got {kl_coef!r}, {entropy_coef!r}.")
-  if kl_coef > 0 and named["ref_logp"] is None:
-    raise ValueError("kl_coef > 0 needs ref_logp (reference-model log-probs of the sampled tokens).")
-  if entropy_coef > 0 and named["entropy"] is None:
-    raise ValueError("entropy_coef > 0 needs entropy (per-token entropy, e.g. from vocab_stats(...).entropy).")
-  if (is_correction is not None or max_seq_mult_prob_error is not None) and named["engine_logp"] is None:
-    raise ValueError("is_correction / max_seq_mult_prob_error compare the engine to the trainer: pass engine_logp "
-                     "(the rollout engine's per-token log-probs).")
-  if is_correction is not None and not 0.0 <= is_low < is_high:
-    raise ValueError(f"need 0 <= is_low < is_high for the importance weights, got {is_low!r}, {is_high!r}.")
-  if is_correction == "tis" and is_low != 0.0:
-    raise ValueError("is_low is a masking bound used by is_correction='mis'; truncated IS ('tis') only caps at "
-                     "is_high. Set is_low=0 or use 'mis'.")
-  if max_seq_mult_prob_error is not None and not max_seq_mult_prob_error >= 1.0:
-    raise ValueError(f"max_seq_mult_prob_error bounds mean exp(|old - eng|) >= 1; got {max_seq_mult_prob_error!r}.")
+def _check_policy_args(
+    logp,
+    mask,
+    advantages,
+    named,
+    *,
+    objective,
+    clip_low,
+    clip_high,
+    dual_clip,
+    ratio_level,
+    aggregation,
+    norm_constant,
+    denominator,
+    kl_coef,
+    kl_estimator,
+    entropy_coef,
+    is_correction,
+    is_level,
+    is_low,
+    is_high,
+    max_seq_mult_prob_error,
+):
+    if logp.ndim != 2:
+        raise ValueError(f"logp must be [B, L] per-token log-probs, got shape {tuple(logp.shape)}.")
+    if mask.shape != logp.shape:
+        raise ValueError(f"mask has shape {tuple(mask.shape)}, expected logp's {tuple(logp.shape)}.")
+    for name, x in named.items():
+        if x is not None and x.shape != logp.shape:
+            raise ValueError(f"{name} has shape {tuple(x.shape)}, expected logp's {tuple(logp.shape)}.")
+    if advantages.shape not in ((logp.shape[0],), tuple(logp.shape)):
+        raise ValueError(
+            f"advantages must be per sequence [B] = [{logp.shape[0]}] or per token {tuple(logp.shape)}, "
+            f"got {tuple(advantages.shape)}."
+        )
+    choices = dict(
+        objective=(objective, OBJECTIVES),
+        ratio_level=(ratio_level, RATIO_LEVELS),
+        aggregation=(aggregation, AGGREGATIONS),
+        kl_estimator=(kl_estimator, KL_ESTIMATORS),
+        is_correction=(is_correction, IS_CORRECTIONS),
+        is_level=(is_level, IS_LEVELS),
+    )
+    for name, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {value!r}.")
+    if not clip_low >= 0 or not clip_high >= 0:
+        raise ValueError(
+            f"clip_low and clip_high must be >= 0 (ratio kept in [1 - clip_low, 1 + clip_high]), "
+            f"got {clip_low!r}, {clip_high!r}."
+        )
+    if dual_clip is not None:
+        if objective != "ppo":
+            raise ValueError("dual_clip applies to objective='ppo' only; set it to None.")
+        if not dual_clip > 1.0:
+            raise ValueError(f"dual_clip must be > 1 (a bound on -A r for negative advantages), got {dual_clip!r}.")
+    for name, value in (("norm_constant", norm_constant), ("denominator", denominator)):
+        if isinstance(value, (int, float)) and not value > 0:
+            raise ValueError(f"{name} must be > 0 (it divides the loss), got {value!r}.")
+    if norm_constant is not None and aggregation != "seq_mean_token_sum_norm":
+        raise ValueError(f"norm_constant is only used by aggregation='seq_mean_token_sum_norm', not {aggregation!r}.")
+    if kl_coef < 0 or entropy_coef < 0:
+        raise ValueError(f"kl_coef and entropy_coef must be >= 0, got {kl_coef!r}, {entropy_coef!r}.")
+    if kl_coef > 0 and named["ref_logp"] is None:
+        raise ValueError("kl_coef > 0 needs ref_logp (reference-model log-probs of the sampled tokens).")
+    if entropy_coef > 0 and named["entropy"] is None:
+        raise ValueError("entropy_coef > 0 needs entropy (per-token entropy, e.g. from vocab_stats(...).entropy).")
+    if (is_correction is not None or max_seq_mult_prob_error is not None) and named["engine_logp"] is None:
+        raise ValueError(
+            "is_correction / max_seq_mult_prob_error compare the engine to the trainer: pass engine_logp "
+            "(the rollout engine's per-token log-probs)."
+        )
+    if is_correction is not None and not 0.0 <= is_low < is_high:
+        raise ValueError(f"need 0 <= is_low < is_high for the importance weights, got {is_low!r}, {is_high!r}.")
+    if is_correction == "tis" and is_low != 0.0:
+        raise ValueError(
+            "is_low is a masking bound used by is_correction='mis'; truncated IS ('tis') only caps at "
+            "is_high. Set is_low=0 or use 'mis'."
+        )
+    if max_seq_mult_prob_error is not None and not max_seq_mult_prob_error >= 1.0:
+        raise ValueError(f"max_seq_mult_prob_error bounds mean exp(|old - eng|) >= 1; got {max_seq_mult_prob_error!r}.")
 
 
 def _per_sequence(x_BxL, mask_BxL, how: str):
-  """sum or mean over each row's masked tokens, kept as [B, 1] for broadcasting."""
-  s = jnp.sum(x_BxL * mask_BxL, axis=1, keepdims=True)
-  return s if how == "sum" else safe_divide(s, jnp.sum(mask_BxL, axis=1, keepdims=True))
+    """sum or mean over each row's masked tokens, kept as [B, 1] for broadcasting."""
+    s = jnp.sum(x_BxL * mask_BxL, axis=1, keepdims=True)
+    return s if how == "sum" else safe_divide(s, jnp.sum(mask_BxL, axis=1, keepdims=True))
 
 
 def _engine_correction(old, eng, mask, *, is_correction, is_level, is_low, is_high, max_seq_mult_prob_error):
-  """IS weights `[B, L]` (stop-gradient), the mask after sequence drops, and mismatch metrics."""
-  delta = old - eng
-  if is_level == "token":
-    log_w = delta
-  else:
-    log_w = _per_sequence(delta, mask, "sum" if is_level == "sequence" else "mean") * jnp.ones_like(delta)
-  w_raw = jnp.exp(jnp.clip(log_w, -_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT))
-  if is_correction == "tis":
-    w = jnp.minimum(w_raw, is_high)
-    is_masked = jnp.zeros_like(w)
-  elif is_correction == "mis":
-    keep = (w_raw >= is_low) & (w_raw <= is_high)
-    w = jnp.where(keep, w_raw, 0.0)
-    is_masked = 1.0 - keep.astype(jnp.float32)
-  else:
-    w = jnp.ones_like(w_raw)
-    is_masked = jnp.zeros_like(w)
+    """IS weights `[B, L]` (stop-gradient), the mask after sequence drops, and mismatch metrics."""
+    delta = old - eng
+    if is_level == "token":
+        log_w = delta
+    else:
+        log_w = _per_sequence(delta, mask, "sum" if is_level == "sequence" else "mean") * jnp.ones_like(delta)
+    w_raw = jnp.exp(jnp.clip(log_w, -_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT))
+    if is_correction == "tis":
+        w = jnp.minimum(w_raw, is_high)
+        is_masked = jnp.zeros_like(w)
+    elif is_correction == "mis":
+        keep = (w_raw >= is_low) & (w_raw <= is_high)
+        w = jnp.where(keep, w_raw, 0.0)
+        is_masked = 1.0 - keep.astype(jnp.float32)
+    else:
+        w = jnp.ones_like(w_raw)
+        is_masked = jnp.zeros_like(w)
 
-  mult_err = jnp.exp(jnp.minimum(jnp.abs(delta), _LOG_RATIO_LIMIT))
-  row_has = jnp.any(mask > 0, axis=1)
-  if max_seq_mult_prob_error is not None:
-    dropped = (_per_sequence(mult_err, mask, "mean")[:, 0] > max_seq_mult_prob_error) & row_has
-  else:
-    dropped = jnp.zeros(mask.shape[:1], bool)
-  metrics = dict(
-      is_ratio_mean=masked_mean(w_raw, mask),
-      is_ratio_max=masked_max(w_raw, mask),
-      mismatch_kl=masked_mean(kl_penalty(eng, old, "k3"), mask),
-      mult_prob_error=masked_mean(mult_err, mask),
-      frac_is_masked=masked_mean(is_masked, mask),
-      frac_seq_dropped=safe_divide(jnp.sum(dropped.astype(jnp.float32)), jnp.sum(row_has.astype(jnp.float32))),
-  )
-  kept_mask = mask * (1.0 - dropped.astype(jnp.float32))[:, None]
-  return jax.lax.stop_gradient(w), kept_mask, metrics
+    mult_err = jnp.exp(jnp.minimum(jnp.abs(delta), _LOG_RATIO_LIMIT))
+    row_has = jnp.any(mask > 0, axis=1)
+    if max_seq_mult_prob_error is not None:
+        dropped = (_per_sequence(mult_err, mask, "mean")[:, 0] > max_seq_mult_prob_error) & row_has
+    else:
+        dropped = jnp.zeros(mask.shape[:1], bool)
+    metrics = dict(
+        is_ratio_mean=masked_mean(w_raw, mask),
+        is_ratio_max=masked_max(w_raw, mask),
+        mismatch_kl=masked_mean(kl_penalty(eng, old, "k3"), mask),
+        mult_prob_error=masked_mean(mult_err, mask),
+        frac_is_masked=masked_mean(is_masked, mask),
+        frac_seq_dropped=safe_divide(jnp.sum(dropped.astype(jnp.float32)), jnp.sum(row_has.astype(jnp.float32))),
+    )
+    kept_mask = mask * (1.0 - dropped.astype(jnp.float32))[:, None]
+    return jax.lax.stop_gradient(w), kept_mask, metrics
 
 
 def _aggregate(l_BxL, mask, aggregation: str, denominator, norm_constant):
-  if aggregation == "token_mean":
-    den = jnp.sum(mask) if denominator is None else denominator
-    return safe_divide(jnp.sum(l_BxL * mask), den)
-  row_sum = jnp.sum(l_BxL * mask, axis=1)
-  row_count = jnp.sum(mask, axis=1)
-  den = jnp.sum((row_count > 0).astype(jnp.float32)) if denominator is None else denominator
-  if aggregation == "seq_mean_token_mean":
-    return safe_divide(jnp.sum(safe_divide(row_sum, row_count)), den)
-  total = safe_divide(jnp.sum(row_sum), den)
-  if aggregation == "seq_mean_token_sum_norm":
-    return total / (l_BxL.shape[1] if norm_constant is None else norm_constant)
-  return total
+    if aggregation == "token_mean":
+        den = jnp.sum(mask) if denominator is None else denominator
+        return safe_divide(jnp.sum(l_BxL * mask), den)
+    row_sum = jnp.sum(l_BxL * mask, axis=1)
+    row_count = jnp.sum(mask, axis=1)
+    den = jnp.sum((row_count > 0).astype(jnp.float32)) if denominator is None else denominator
+    if aggregation == "seq_mean_token_mean":
+        return safe_divide(jnp.sum(safe_divide(row_sum, row_count)), den)
+    total = safe_divide(jnp.sum(row_sum), den)
+    if aggregation == "seq_mean_token_sum_norm":
+        return total / (l_BxL.shape[1] if norm_constant is None else norm_constant)
+    return total
 
 
-def policy_loss(logp: jax.Array, old_logp: jax.Array | None, advantages: jax.Array, mask: jax.Array, *,
-                objective: str = "ppo", clip_low: float = 0.2, clip_high: float | None = None,
-                dual_clip: float | None = None, ratio_level: str = "token", aggregation: str = "token_mean",
-                norm_constant: float | None = None, denominator: float | jax.Array | None = None,
-                ref_logp: jax.Array | None = None, kl_coef: float = 0.0, kl_estimator: str = "k3",
-                kl_clamp: float | None = None, entropy: jax.Array | None = None, entropy_coef: float = 0.0,
-                engine_logp: jax.Array | None = None, is_correction: str | None = None, is_level: str = "token",
-                is_low: float = 0.0, is_high: float = 2.0,
-                max_seq_mult_prob_error: float | None = None) -> tuple[jax.Array, PolicyAux]:
-  """Clipped policy-gradient loss with named options (formulas and papers in the module docstring).
+def policy_loss(
+    logp: jax.Array,
+    old_logp: jax.Array | None,
+    advantages: jax.Array,
+    mask: jax.Array,
+    *,
+    objective: str = "ppo",
+    clip_low: float = 0.2,
+    clip_high: float | None = None,
+    dual_clip: float | None = None,
+    ratio_level: str = "token",
+    aggregation: str = "token_mean",
+    norm_constant: float | None = None,
+    denominator: float | jax.Array | None = None,
+    ref_logp: jax.Array | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    kl_clamp: float | None = None,
+    entropy: jax.Array | None = None,
+    entropy_coef: float = 0.0,
+    engine_logp: jax.Array | None = None,
+    is_correction: str | None = None,
+    is_level: str = "token",
+    is_low: float = 0.0,
+    is_high: float = 2.0,
+    max_seq_mult_prob_error: float | None = None,
+) -> tuple[jax.Array, PolicyAux]:
+    """Clipped policy-gradient loss with named options (formulas and papers in the module docstring).
 
-  Args:
-    logp: `[B, L]` log pi_theta of the sampled tokens (differentiable).
-    old_logp: `[B, L]` log pi_old of the same tokens, or None for a strictly on-policy single
-      update (then old = stop_gradient(logp) and r = 1 with gradient grad log pi).
-    advantages: `[B]` per sequence or `[B, L]` per token.
-    mask: `[B, L]` 1.0 on response tokens that count.
-    objective: "ppo" (clipped surrogate) or "cispo" (clipped stop-gradient IS weight).
-    clip_low, clip_high: ratio bounds 1 - clip_low and 1 + clip_high; clip_high defaults to
-      clip_low (DAPO: 0.2 / 0.28; GSPO: 3e-4 / 4e-4; CISPO: clip_low >= 1, clip_high tuned).
-    dual_clip: c > 1 bounds the loss of negative-advantage tokens at -A c (ppo only).
-    ratio_level: "token" or "sequence" (GSPO).
-    aggregation: one of `AGGREGATIONS`.
-    norm_constant: Dr. GRPO's constant C for seq_mean_token_sum_norm (default L).
-    denominator: overrides the batch's own token count (token_mean) or sequence count (other
-      modes) for exact aggregation across micro-batches.
-    ref_logp, kl_coef, kl_estimator: KL penalty kl_coef * k to the reference.
-    kl_clamp: if set, the per-token KL estimate is clipped to [-kl_clamp, kl_clamp] (verl: 10).
-    entropy, entropy_coef: per-token entropy `[B, L]` (differentiable) and bonus weight.
-    engine_logp: `[B, L]` rollout-engine log-probs of the sampled tokens; enables mismatch
-      metrics, `is_correction` and `max_seq_mult_prob_error`.
-    is_correction: None, "tis" or "mis"; is_level: "token", "sequence" or "geometric";
-      is_low, is_high: weight bounds (tis caps at is_high; mis keeps [is_low, is_high]).
-    max_seq_mult_prob_error: drop sequences whose mean exp(|old - eng|) exceeds it.
+    Args:
+      logp: `[B, L]` log pi_theta of the sampled tokens (differentiable).
+      old_logp: `[B, L]` log pi_old of the same tokens, or None for a strictly on-policy single
+        update (then old = stop_gradient(logp) and r = 1 with gradient grad log pi).
+      advantages: `[B]` per sequence or `[B, L]` per token.
+      mask: `[B, L]` 1.0 on response tokens that count.
+      objective: "ppo" (clipped surrogate) or "cispo" (clipped stop-gradient IS weight).
+      clip_low, clip_high: ratio bounds 1 - clip_low and 1 + clip_high; clip_high defaults to
+        clip_low (DAPO: 0.2 / 0.28; GSPO: 3e-4 / 4e-4; CISPO: clip_low >= 1, clip_high tuned).
+      dual_clip: c > 1 bounds the loss of negative-advantage tokens at -A c (ppo only).
+      ratio_level: "token" or "sequence" (GSPO).
+      aggregation: one of `AGGREGATIONS`.
+      norm_constant: Dr. GRPO's constant C for seq_mean_token_sum_norm (default L).
+      denominator: overrides the batch's own token count (token_mean) or sequence count (other
+        modes) for exact aggregation across micro-batches.
+      ref_logp, kl_coef, kl_estimator: KL penalty kl_coef * k to the reference.
+      kl_clamp: if set, the per-token KL estimate is clipped to [-kl_clamp, kl_clamp] (verl: 10).
+      entropy, entropy_coef: per-token entropy `[B, L]` (differentiable) and bonus weight.
+      engine_logp: `[B, L]` rollout-engine log-probs of the sampled tokens; enables mismatch
+        metrics, `is_correction` and `max_seq_mult_prob_error`.
+      is_correction: None, "tis" or "mis"; is_level: "token", "sequence" or "geometric";
+        is_low, is_high: weight bounds (tis caps at is_high; mis keeps [is_low, is_high]).
+      max_seq_mult_prob_error: drop sequences whose mean exp(|old - eng|) exceeds it.
 
-  Returns:
-    (scalar float32 loss, PolicyAux).
-  """
-  clip_high = clip_low if clip_high is None else clip_high
-  advantages = jnp.asarray(advantages)
-  named = dict(old_logp=old_logp, ref_logp=ref_logp, entropy=entropy, engine_logp=engine_logp)
-  _check_policy_args(logp, mask, advantages, named, objective=objective, clip_low=clip_low, clip_high=clip_high,
-                     dual_clip=dual_clip, ratio_level=ratio_level, aggregation=aggregation,
-                     norm_constant=norm_constant, denominator=denominator, kl_coef=kl_coef,
-                     kl_estimator=kl_estimator, entropy_coef=entropy_coef, is_correction=is_correction,
-                     is_level=is_level, is_low=is_low, is_high=is_high,
-                     max_seq_mult_prob_error=max_seq_mult_prob_error)
-  f32 = jnp.float32
-  mask = mask.astype(f32)
-  # Padding may hold anything (-inf log-probs, NaN from an engine): zero it before any arithmetic, so
-  # that neither the loss nor its gradient can see it (NaN * 0 would still be NaN).
-  valid = mask > 0
-  clean = lambda x: None if x is None else jnp.where(valid, x.astype(f32), 0.0)  # noqa: E731
-  logp, old_logp, ref_logp, entropy, engine_logp = map(clean, (logp, old_logp, ref_logp, entropy, engine_logp))
-  old = jax.lax.stop_gradient(logp if old_logp is None else old_logp)
-  adv = jax.lax.stop_gradient(advantages.astype(f32))
-  adv = adv[:, None] if adv.ndim == 1 else adv
-  adv = jnp.where(valid, adv, 0.0)
+    Returns:
+      (scalar float32 loss, PolicyAux).
+    """
+    clip_high = clip_low if clip_high is None else clip_high
+    advantages = jnp.asarray(advantages)
+    named = dict(old_logp=old_logp, ref_logp=ref_logp, entropy=entropy, engine_logp=engine_logp)
+    _check_policy_args(
+        logp,
+        mask,
+        advantages,
+        named,
+        objective=objective,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        dual_clip=dual_clip,
+        ratio_level=ratio_level,
+        aggregation=aggregation,
+        norm_constant=norm_constant,
+        denominator=denominator,
+        kl_coef=kl_coef,
+        kl_estimator=kl_estimator,
+        entropy_coef=entropy_coef,
+        is_correction=is_correction,
+        is_level=is_level,
+        is_low=is_low,
+        is_high=is_high,
+        max_seq_mult_prob_error=max_seq_mult_prob_error,
+    )
+    f32 = jnp.float32
+    mask = mask.astype(f32)
+    # Padding may hold anything (-inf log-probs, NaN from an engine): zero it before any arithmetic, so
+    # that neither the loss nor its gradient can see it (NaN * 0 would still be NaN).
+    valid = mask > 0
+    clean = lambda x: None if x is None else jnp.where(valid, x.astype(f32), 0.0)  # noqa: E731
+    logp, old_logp, ref_logp, entropy, engine_logp = map(clean, (logp, old_logp, ref_logp, entropy, engine_logp))
+    old = jax.lax.stop_gradient(logp if old_logp is None else old_logp)
+    adv = jax.lax.stop_gradient(advantages.astype(f32))
+    adv = adv[:, None] if adv.ndim == 1 else adv
+    adv = jnp.where(valid, adv, 0.0)
 
-  if engine_logp is not None:
-    w, mask, mismatch = _engine_correction(
-        old, jax.lax.stop_gradient(engine_logp), mask, is_correction=is_correction, is_level=is_level,
-        is_low=is_low, is_high=is_high, max_seq_mult_prob_error=max_seq_mult_prob_error)
-  else:
-    w = jnp.ones_like(logp)
-    one, zero = jnp.ones((), f32), jnp.zeros((), f32)
-    mismatch = dict(is_ratio_mean=one, is_ratio_max=one, mismatch_kl=zero, mult_prob_error=one,
-                    frac_is_masked=zero, frac_seq_dropped=zero)
-
-  if ratio_level == "token":
-    log_r = logp - old
-  else:
-    seq_log_ratio = _per_sequence(jax.lax.stop_gradient(logp) - old, mask, "mean")
-    log_r = logp - jax.lax.stop_gradient(logp) + seq_log_ratio
-  ratio = jnp.exp(jnp.clip(log_r, -_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT))
-  lo, hi = 1.0 - clip_low, 1.0 + clip_high
-  clipped = jnp.clip(ratio, lo, hi)
-  r_value = jax.lax.stop_gradient(ratio)
-
-  if objective == "ppo":
-    pg = jnp.maximum(-adv * ratio, -adv * clipped)
-    low_hit = (r_value < lo) & (adv < 0)
-    high_hit = (r_value > hi) & (adv > 0)
-    if dual_clip is not None:
-      dual_hit = (adv < 0) & (r_value > dual_clip)
-      pg = jnp.where(adv < 0, jnp.minimum(pg, -adv * dual_clip), pg)
+    if engine_logp is not None:
+        w, mask, mismatch = _engine_correction(
+            old,
+            jax.lax.stop_gradient(engine_logp),
+            mask,
+            is_correction=is_correction,
+            is_level=is_level,
+            is_low=is_low,
+            is_high=is_high,
+            max_seq_mult_prob_error=max_seq_mult_prob_error,
+        )
     else:
-      dual_hit = jnp.zeros_like(low_hit)
-  else:
-    pg = -jax.lax.stop_gradient(clipped) * adv * logp
-    low_hit, high_hit = r_value < lo, r_value > hi
-    dual_hit = jnp.zeros_like(low_hit)
-  pg = w * pg
+        w = jnp.ones_like(logp)
+        one, zero = jnp.ones((), f32), jnp.zeros((), f32)
+        mismatch = dict(
+            is_ratio_mean=one,
+            is_ratio_max=one,
+            mismatch_kl=zero,
+            mult_prob_error=one,
+            frac_is_masked=zero,
+            frac_seq_dropped=zero,
+        )
 
-  per_token = pg
-  if ref_logp is not None:
-    kl = kl_penalty(logp, jax.lax.stop_gradient(ref_logp), kl_estimator)
-    if kl_clamp is not None:
-      kl = jnp.clip(kl, -kl_clamp, kl_clamp)
-    per_token = per_token + kl_coef * kl
-  if entropy is not None:
-    per_token = per_token - entropy_coef * entropy
+    if ratio_level == "token":
+        log_r = logp - old
+    else:
+        seq_log_ratio = _per_sequence(jax.lax.stop_gradient(logp) - old, mask, "mean")
+        log_r = logp - jax.lax.stop_gradient(logp) + seq_log_ratio
+    ratio = jnp.exp(jnp.clip(log_r, -_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT))
+    lo, hi = 1.0 - clip_low, 1.0 + clip_high
+    clipped = jnp.clip(ratio, lo, hi)
+    r_value = jax.lax.stop_gradient(ratio)
 
-  agg = lambda x: _aggregate(x, mask, aggregation, denominator, norm_constant)  # noqa: E731
-  loss = agg(per_token)
-  sg = jax.lax.stop_gradient
-  frac = lambda b: masked_mean(b.astype(f32), mask)  # noqa: E731
-  zero = jnp.zeros((), f32)
-  aux = PolicyAux(
-      pg_loss=agg(sg(pg)),
-      kl_loss=agg(sg(kl)) if ref_logp is not None else zero,
-      entropy=masked_mean(sg(entropy), mask) if entropy is not None else zero,
-      clip_frac_low=frac(low_hit),
-      clip_frac_high=frac(high_hit),
-      clip_frac_dual=frac(dual_hit),
-      approx_kl=masked_mean(kl_penalty(old, sg(logp), "k3"), mask),
-      ratio_mean=masked_mean(r_value, mask),
-      ratio_max=masked_max(r_value, mask),
-      token_count=jnp.sum(mask),
-      seq_count=jnp.sum((jnp.sum(mask, axis=1) > 0).astype(f32)),
-      **mismatch,
-  )
-  return loss, jax.tree.map(sg, aux)
+    if objective == "ppo":
+        pg = jnp.maximum(-adv * ratio, -adv * clipped)
+        low_hit = (r_value < lo) & (adv < 0)
+        high_hit = (r_value > hi) & (adv > 0)
+        if dual_clip is not None:
+            dual_hit = (adv < 0) & (r_value > dual_clip)
+            pg = jnp.where(adv < 0, jnp.minimum(pg, -adv * dual_clip), pg)
+        else:
+            dual_hit = jnp.zeros_like(low_hit)
+    else:
+        pg = -jax.lax.stop_gradient(clipped) * adv * logp
+        low_hit, high_hit = r_value < lo, r_value > hi
+        dual_hit = jnp.zeros_like(low_hit)
+    pg = w * pg
+
+    per_token = pg
+    if ref_logp is not None:
+        kl = kl_penalty(logp, jax.lax.stop_gradient(ref_logp), kl_estimator)
+        if kl_clamp is not None:
+            kl = jnp.clip(kl, -kl_clamp, kl_clamp)
+        per_token = per_token + kl_coef * kl
+    if entropy is not None:
+        per_token = per_token - entropy_coef * entropy
+
+    agg = lambda x: _aggregate(x, mask, aggregation, denominator, norm_constant)  # noqa: E731
+    loss = agg(per_token)
+    sg = jax.lax.stop_gradient
+    frac = lambda b: masked_mean(b.astype(f32), mask)  # noqa: E731
+    zero = jnp.zeros((), f32)
+    aux = PolicyAux(
+        pg_loss=agg(sg(pg)),
+        kl_loss=agg(sg(kl)) if ref_logp is not None else zero,
+        entropy=masked_mean(sg(entropy), mask) if entropy is not None else zero,
+        clip_frac_low=frac(low_hit),
+        clip_frac_high=frac(high_hit),
+        clip_frac_dual=frac(dual_hit),
+        approx_kl=masked_mean(kl_penalty(old, sg(logp), "k3"), mask),
+        ratio_mean=masked_mean(r_value, mask),
+        ratio_max=masked_max(r_value, mask),
+        token_count=jnp.sum(mask),
+        seq_count=jnp.sum((jnp.sum(mask, axis=1) > 0).astype(f32)),
+        **mismatch,
+    )
+    return loss, jax.tree.map(sg, aux)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -67,8 +67,10 @@ def validate_config(cfg: ModelConfig) -> None:
         (cfg.vocab_size > 0, "model.vocab_size must be > 0 (set it, or let the tokenizer fill it)"),
         (cfg.d_model > 0 and cfg.n_layers > 0, "model.d_model and model.n_layers must be > 0"),
         (cfg.n_heads > 0 and cfg.n_kv_heads > 0, "model.n_heads and model.n_kv_heads must be > 0"),
-        (cfg.n_heads % max(cfg.n_kv_heads, 1) == 0,
-         f"model.n_kv_heads={cfg.n_kv_heads} must divide model.n_heads={cfg.n_heads}"),
+        (
+            cfg.n_heads % max(cfg.n_kv_heads, 1) == 0,
+            f"model.n_kv_heads={cfg.n_kv_heads} must divide model.n_heads={cfg.n_heads}",
+        ),
         (cfg.head_dim > 0 and cfg.head_dim % 2 == 0, f"model.head_dim={cfg.head_dim} must be even and > 0 (RoPE)"),
         (cfg.dtype in ("float32", "bfloat16", "float16"), f"model.dtype={cfg.dtype!r}: pass float32 | bfloat16"),
         (cfg.param_dtype in ("float32", "bfloat16"), f"model.param_dtype={cfg.param_dtype!r}: pass float32 | bfloat16"),
@@ -81,7 +83,10 @@ def validate_config(cfg: ModelConfig) -> None:
             (cfg.router in ("softmax", "sigmoid"), f"model.router={cfg.router!r}: pass softmax | sigmoid"),
             (cfg.n_experts % cfg.n_groups == 0, f"model.n_groups={cfg.n_groups} must divide n_experts={cfg.n_experts}"),
             (1 <= cfg.topk_groups <= cfg.n_groups, f"model.topk_groups={cfg.topk_groups} must be in [1, n_groups]"),
-            (0 <= cfg.first_k_dense <= cfg.n_layers, f"model.first_k_dense={cfg.first_k_dense} must be in [0, n_layers]"),
+            (
+                0 <= cfg.first_k_dense <= cfg.n_layers,
+                f"model.first_k_dense={cfg.first_k_dense} must be in [0, n_layers]",
+            ),
         ]
     for ok, msg in checks:
         if not ok:
@@ -232,8 +237,8 @@ class Decoder(nnx.Module):
     def __call__(
         self,
         input_ids_BxL: jax.Array,
-        positions: Optional[jax.Array] = None,
-        segment_ids: Optional[jax.Array] = None,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
         *,
         return_aux: bool = False,
         return_hidden: bool = False,

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -90,8 +90,7 @@ def sample_tokens(logits_BxV, rng, temperature, top_k, top_p):
 
     def sampled(_):
         need_filter = (top_k > 0) | (top_p < 1.0)
-        filtered = jax.lax.cond(need_filter, filter_logits, lambda x, t, k, p: x / t,
-                                logits, temperature, top_k, top_p)
+        filtered = jax.lax.cond(need_filter, filter_logits, lambda x, t, k, p: x / t, logits, temperature, top_k, top_p)
         tok = jax.random.categorical(rng, filtered, axis=-1).astype(jnp.int32)
         logp = jax.nn.log_softmax(filtered, axis=-1)
         return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
@@ -99,7 +98,7 @@ def sample_tokens(logits_BxV, rng, temperature, top_k, top_p):
     return jax.lax.cond(temperature <= 0.0, greedy, sampled, None)
 
 
-def _decode_mask(pad_B: jax.Array, q_slots_T: jax.Array, S: int, window: Optional[int]) -> jax.Array:
+def _decode_mask(pad_B: jax.Array, q_slots_T: jax.Array, S: int, window: int | None) -> jax.Array:
     """[B, T, S]: key slot s visible to query slot t iff pad_b <= s <= t (and in window)."""
     s = jnp.arange(S)[None, None, :]
     t = q_slots_T[None, :, None]
@@ -110,8 +109,9 @@ def _decode_mask(pad_B: jax.Array, q_slots_T: jax.Array, S: int, window: Optiona
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens"))
-def _generate_jit(graphdef, state, prompt_BxP, pad_B, rng, temperature, top_k, top_p, stop_ids, pad_id,
-                  *, max_new_tokens: int):
+def _generate_jit(
+    graphdef, state, prompt_BxP, pad_B, rng, temperature, top_k, top_p, stop_ids, pad_id, *, max_new_tokens: int
+):
     cfg = nnx.merge(graphdef, state).cfg
 
     def decode_step(st, *args):
@@ -188,7 +188,7 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, length: int) -> tupl
             raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
         if len(p) > length:
             raise ValueError(f"prompt {i} has {len(p)} tokens, more than the bucket length {length}")
-        ids[i, length - len(p):] = np.asarray(p, np.int32)
+        ids[i, length - len(p) :] = np.asarray(p, np.int32)
         pads[i] = length - len(p)
     return ids, pads
 
@@ -202,9 +202,9 @@ def generate(
     top_p: float = 1.0,
     top_k: int = 0,
     stop_tokens: Sequence[int] = (),
-    rng: Optional[jax.Array] = None,
+    rng: jax.Array | None = None,
     pad_id: int = 0,
-    prompt_bucket: Optional[int] = None,
+    prompt_bucket: int | None = None,
 ) -> GenerateOutput:
     """Generates continuations for a batch of prompts (see the module docstring).
 
@@ -215,8 +215,7 @@ def generate(
     prompt_bucket: padded prompt length (default: next power of two >= longest prompt, capped
     at model.max_seq_len - max_new_tokens when the longest prompt fits under that).
     """
-    if (isinstance(prompts, tuple) and len(prompts) == 2 and np.ndim(prompts[0]) == 2
-            and np.ndim(prompts[1]) == 1):
+    if isinstance(prompts, tuple) and len(prompts) == 2 and np.ndim(prompts[0]) == 2 and np.ndim(prompts[1]) == 1:
         ids, lens = np.asarray(prompts[0]), np.asarray(prompts[1])
         prompts = [ids[i, : int(lens[i])].tolist() for i in range(ids.shape[0])]
     prompts = [list(p) for p in prompts]
@@ -225,8 +224,10 @@ def generate(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
     if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-        raise ValueError(f"bad sampling settings temperature={temperature} top_p={top_p} top_k={top_k}: "
-                         "need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
+        raise ValueError(
+            f"bad sampling settings temperature={temperature} top_p={top_p} top_k={top_k}: "
+            "need temperature >= 0, 0 < top_p <= 1, top_k >= 0"
+        )
     if len(stop_tokens) > MAX_STOP_TOKENS:
         raise ValueError(f"at most {MAX_STOP_TOKENS} stop tokens, got {len(stop_tokens)}")
     longest = max(len(p) for p in prompts)
@@ -245,8 +246,16 @@ def generate(
     rng = jax.random.key(0) if rng is None else rng
     graphdef, state = nnx.split(model)
     tokens, logps, lengths, stopped = _generate_jit(
-        graphdef, state, jnp.asarray(ids), jnp.asarray(pads), rng,
-        jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p), jnp.asarray(stop), jnp.int32(pad_id),
+        graphdef,
+        state,
+        jnp.asarray(ids),
+        jnp.asarray(pads),
+        rng,
+        jnp.float32(temperature),
+        jnp.int32(top_k),
+        jnp.float32(top_p),
+        jnp.asarray(stop),
+        jnp.int32(pad_id),
         max_new_tokens=max_new_tokens,
     )
     stopped = np.asarray(stopped)

@@ -24,7 +24,7 @@ import json
 import os
 import re
 from collections import defaultdict
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -65,7 +65,7 @@ def hf_family(cfg: ModelConfig) -> str:
 # --------------------------------------------------------------------------- config
 
 
-def _rope_scaling_to_hf(scaling: Optional[dict]) -> Optional[dict]:
+def _rope_scaling_to_hf(scaling: dict | None) -> dict | None:
     """The scaling dict with its kind under `rope_type` (older configs wrote `type`; written as
     `type` beside the default `rope_type`, a reader would see no scaling at all)."""
     if not scaling:
@@ -76,7 +76,7 @@ def _rope_scaling_to_hf(scaling: Optional[dict]) -> Optional[dict]:
     return out
 
 
-def _rope_from_hf(hf: dict) -> tuple[float, Optional[dict]]:
+def _rope_from_hf(hf: dict) -> tuple[float, dict | None]:
     """(theta, scaling dict or None) from either transformers-5 `rope_parameters` or the
     older `rope_theta` + `rope_scaling` keys."""
     params = hf.get("rope_parameters")
@@ -120,8 +120,10 @@ def config_from_hf(hf: dict, **overrides: Any) -> ModelConfig:
     required = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size")
     absent = [k for k in required if hf.get(k) is None]
     if absent:
-        raise ValueError(f"config.json of model_type {mt!r} lacks {', '.join(absent)}; it is incomplete or not a "
-                         "decoder's config: copy or convert the model folder again")
+        raise ValueError(
+            f"config.json of model_type {mt!r} lacks {', '.join(absent)}; it is incomplete or not a "
+            "decoder's config: copy or convert the model folder again"
+        )
     D, H = int(hf["hidden_size"]), int(hf["num_attention_heads"])
     theta, scaling = _rope_from_hf(hf)
     c: dict[str, Any] = dict(
@@ -201,8 +203,11 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta,
         "rope_scaling": _rope_scaling_to_hf(cfg.rope_scaling),
-        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default",
-                            **(_rope_scaling_to_hf(cfg.rope_scaling) or {})},
+        "rope_parameters": {
+            "rope_theta": cfg.rope_theta,
+            "rope_type": "default",
+            **(_rope_scaling_to_hf(cfg.rope_scaling) or {}),
+        },
         "tie_word_embeddings": cfg.tie_embeddings,
         "initializer_range": cfg.init_std,
         "attention_dropout": 0.0,
@@ -230,22 +235,41 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     if fam == "qwen3_moe":
         if cfg.router != "softmax" or cfg.n_shared_experts or cfg.first_k_dense or cfg.n_groups != 1:
             raise ValueError("qwen3_moe takes softmax routing without shared experts, dense layers or groups")
-        hf.update(num_experts=cfg.n_experts, num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k,
-                  moe_intermediate_size=cfg.d_ff_expert, norm_topk_prob=cfg.norm_topk_prob,
-                  decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=cfg.router_aux_loss_coef)
+        hf.update(
+            num_experts=cfg.n_experts,
+            num_local_experts=cfg.n_experts,
+            num_experts_per_tok=cfg.top_k,
+            moe_intermediate_size=cfg.d_ff_expert,
+            norm_topk_prob=cfg.norm_topk_prob,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            router_aux_loss_coef=cfg.router_aux_loss_coef,
+        )
     elif fam == "mixtral":
         if cfg.router != "softmax" or not cfg.norm_topk_prob or cfg.n_shared_experts or cfg.first_k_dense:
             raise ValueError("mixtral takes softmax routing with norm_topk_prob and no shared experts or dense layers")
-        hf.update(num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k,
-                  router_aux_loss_coef=cfg.router_aux_loss_coef, router_jitter_noise=0.0)
+        hf.update(
+            num_local_experts=cfg.n_experts,
+            num_experts_per_tok=cfg.top_k,
+            router_aux_loss_coef=cfg.router_aux_loss_coef,
+            router_jitter_noise=0.0,
+        )
     elif fam == "dots1":
         if cfg.router != "sigmoid":
             raise ValueError("dots1 / deepseek_v3 routing is sigmoid; set model.router=sigmoid")
-        hf.update(n_routed_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k,
-                  moe_intermediate_size=cfg.d_ff_expert, n_shared_experts=cfg.n_shared_experts,
-                  norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling_factor,
-                  n_group=cfg.n_groups, topk_group=cfg.topk_groups, first_k_dense_replace=cfg.first_k_dense,
-                  layer_types=["full_attention"] * cfg.n_layers, sliding_window=None)
+        hf.update(
+            n_routed_experts=cfg.n_experts,
+            num_experts_per_tok=cfg.top_k,
+            moe_intermediate_size=cfg.d_ff_expert,
+            n_shared_experts=cfg.n_shared_experts,
+            norm_topk_prob=cfg.norm_topk_prob,
+            routed_scaling_factor=cfg.routed_scaling_factor,
+            n_group=cfg.n_groups,
+            topk_group=cfg.topk_groups,
+            first_k_dense_replace=cfg.first_k_dense,
+            layer_types=["full_attention"] * cfg.n_layers,
+            sliding_window=None,
+        )
     return hf
 
 
@@ -366,8 +390,8 @@ def load_hf(
     dtype: str = "float32",
     *,
     param_dtype: str = "float32",
-    mesh: Optional[jax.sharding.Mesh] = None,
-    rules: Optional[tuple] = None,
+    mesh: jax.sharding.Mesh | None = None,
+    rules: tuple | None = None,
     **overrides: Any,
 ) -> Decoder:
     """Loads a local Hugging Face folder into a Decoder.
@@ -392,9 +416,7 @@ def load_hf(
         raise ValueError(f"{path}: {len(missing)} tensors missing from the checkpoint, e.g. {listed}")
     extra = sorted(n for n in files if n not in expected and not _IGNORED.match(n))
     if extra:
-        raise ValueError(
-            f"{path}: tensors the {cfg.family} config does not explain (unsupported option?): {extra[:5]}"
-        )
+        raise ValueError(f"{path}: tensors the {cfg.family} config does not explain (unsupported option?): {extra[:5]}")
     for m in mappings:
         _check_tensor(m.hf_name, files, m)
 
@@ -426,7 +448,7 @@ def load_hf(
             lead = [range(*s.indices(d)) for s, d in zip(idx[:_n], _shape[:_n])]
             rest = idx[_n:]
             rows = []
-            for li in (np.ndindex(*[len(r) for r in lead]) if _n else [()]):
+            for li in np.ndindex(*[len(r) for r in lead]) if _n else [()]:
                 key = tuple(r[i] for r, i in zip(lead, li))
                 m = _index_of[key]
                 block = _to_ours(files[m.hf_name].get(m.hf_name), m, _shape[_n:])[rest]
@@ -455,7 +477,7 @@ def save_hf(
     path: str,
     tokenizer: Any = None,
     *,
-    dtype: Optional[str] = None,
+    dtype: str | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> None:
     """Writes config.json, safetensors (sharded with an index above max_shard_bytes) and,

@@ -12,8 +12,9 @@ the compute dtype at use; norms, RoPE tables and the attention softmax run in fl
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from functools import partial
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +40,7 @@ def as_dtype(name: str | Any) -> Any:
 def param(
     rngs: nnx.Rngs | None,
     shape: Sequence[int],
-    axes: Sequence[Optional[str]],
+    axes: Sequence[str | None],
     *,
     std: float = 0.02,
     init: str = "normal",
@@ -84,7 +85,7 @@ class RMSNorm(nnx.Module):
 # ----------------------------------------------------------------------------- RoPE
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict[str, Any]]) -> np.ndarray:
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> np.ndarray:
     """Inverse frequencies [head_dim/2] of rotary embeddings (Su et al. 2021), float32.
 
     scaling: HF rope dict; supports rope_type default, linear and llama3 (Llama 3.1+).
@@ -131,9 +132,7 @@ def apply_rope(x_BxLxNxDh: jax.Array, cos_BxLxR: jax.Array, sin_BxLxR: jax.Array
 # ------------------------------------------------------------------------ attention
 
 
-def attention_mask(
-    segment_ids_BxL: jax.Array, sliding_window: Optional[int] = None
-) -> jax.Array:
+def attention_mask(segment_ids_BxL: jax.Array, sliding_window: int | None = None) -> jax.Array:
     """Boolean mask [B, L, L]: causal and same-segment (and within the sliding window).
 
     The diagonal is always allowed, so padding (segment 0) attends to itself and no row is
@@ -148,9 +147,7 @@ def attention_mask(
     return same & allowed[None, :, :]
 
 
-def attend(
-    q_BxTxHxDh: jax.Array, k_BxSxKxDh: jax.Array, v_BxSxKxDh: jax.Array, mask_BxTxS: jax.Array
-) -> jax.Array:
+def attend(q_BxTxHxDh: jax.Array, k_BxSxKxDh: jax.Array, v_BxSxKxDh: jax.Array, mask_BxTxS: jax.Array) -> jax.Array:
     """Masked softmax attention with grouped KV heads; scores and softmax in float32.
 
     out = softmax(q k^T / sqrt(Dh) + mask) v  (Vaswani et al. 2017; GQA: Ainslie et al. 2023)
@@ -174,10 +171,9 @@ triangle; on CPU at L=512 this ran 3.4x faster (forward + backward) than the ful
 softmax and 2.6x faster than jax.nn.dot_product_attention (docs/perf_models.md)."""
 
 
-def _query_blocks(L: int, chunk: int, window: Optional[int]) -> list[tuple[int, int, int]]:
+def _query_blocks(L: int, chunk: int, window: int | None) -> list[tuple[int, int, int]]:
     """(query start, query end, first key) of each block; keys run up to the query end."""
-    return [(s, min(s + chunk, L), 0 if window is None else max(0, s - window + 1))
-            for s in range(0, L, chunk)]
+    return [(s, min(s + chunk, L), 0 if window is None else max(0, s - window + 1)) for s in range(0, L, chunk)]
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -230,11 +226,15 @@ def _blocked_attention_bwd(window, chunk, residuals, dout):
         delta = jnp.sum(do * out[:, :, s:e].reshape(B, K, rows, Dh).astype(jnp.float32), axis=-1, keepdims=True)
         do = do.astype(v.dtype)
         dv_t = dv_t.at[..., ks:e].add(
-            jnp.einsum("bkrd,bkrs->bkds", do, p.astype(v.dtype), preferred_element_type=jnp.float32))
+            jnp.einsum("bkrd,bkrs->bkds", do, p.astype(v.dtype), preferred_element_type=jnp.float32)
+        )
         dp = jnp.einsum("bkrd,bksd->bkrs", do, v[:, :, ks:e], preferred_element_type=jnp.float32)
         ds = (p * (dp - delta)).astype(q.dtype)
-        dq.append(jnp.einsum("bkrs,bksd->bkrd", ds, k[:, :, ks:e], preferred_element_type=jnp.float32)
-                  .reshape(B, K, e - s, G, Dh))
+        dq.append(
+            jnp.einsum("bkrs,bksd->bkrd", ds, k[:, :, ks:e], preferred_element_type=jnp.float32).reshape(
+                B, K, e - s, G, Dh
+            )
+        )
         qb = q[:, :, s:e].reshape(B, K, rows, Dh)
         dk_t = dk_t.at[..., ks:e].add(jnp.einsum("bkrd,bkrs->bkds", qb, ds, preferred_element_type=jnp.float32))
     dq = jnp.concatenate(dq, axis=2).astype(q.dtype)
@@ -246,8 +246,12 @@ _blocked_attention.defvjp(_blocked_attention_fwd, _blocked_attention_bwd)
 
 
 def causal_attend(
-    q_BxLxHxDh: jax.Array, k_BxLxKxDh: jax.Array, v_BxLxKxDh: jax.Array, mask_BxLxL: jax.Array,
-    sliding_window: Optional[int] = None, chunk: int = ATTN_QUERY_CHUNK,
+    q_BxLxHxDh: jax.Array,
+    k_BxLxKxDh: jax.Array,
+    v_BxLxKxDh: jax.Array,
+    mask_BxLxL: jax.Array,
+    sliding_window: int | None = None,
+    chunk: int = ATTN_QUERY_CHUNK,
 ) -> jax.Array:
     """`attend` for self-attention over one sequence (queries and keys at the same slots)
     with a causal mask, computed block by block over queries (static shapes per block) in a
@@ -284,7 +288,7 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(Dh, **kw)
             self.k_norm = RMSNorm(Dh, **kw)
 
-    def _project(self, x: jax.Array, w: nnx.Param, b: Optional[nnx.Param]) -> jax.Array:
+    def _project(self, x: jax.Array, w: nnx.Param, b: nnx.Param | None) -> jax.Array:
         y = jnp.einsum("bld,dnh->blnh", x, w[...].astype(self.dtype))
         if b is not None:
             y = y + b[...].astype(self.dtype)[None, None]
@@ -296,9 +300,9 @@ class Attention(nnx.Module):
         cos: jax.Array,
         sin: jax.Array,
         mask_BxTxS: jax.Array,
-        kv_cache: Optional[tuple[jax.Array, jax.Array]] = None,
-        cache_index: Optional[jax.Array] = None,
-    ) -> tuple[jax.Array, Optional[tuple[jax.Array, jax.Array]]]:
+        kv_cache: tuple[jax.Array, jax.Array] | None = None,
+        cache_index: jax.Array | None = None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         """Self-attention over x; with `kv_cache` ([B, S, K, Dh] each) the new keys/values are
         written at slot `cache_index` (same for every row) and queries attend to the whole
         cache under `mask_BxTxS`. Returns (out [B, T, D], updated cache or None)."""
@@ -362,8 +366,12 @@ def _swiglu_bwd(residuals, dy):
     x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
     dg2, du2 = dg.reshape(-1, dg.shape[-1]), du.reshape(-1, du.shape[-1])
     dx = dg @ w_gate.T + du @ w_up.T
-    return (dx, (x2.T @ dg2).astype(w_gate.dtype), (x2.T @ du2).astype(w_up.dtype),
-            (h.reshape(-1, h.shape[-1]).T @ dy2).astype(w_down.dtype))
+    return (
+        dx,
+        (x2.T @ dg2).astype(w_gate.dtype),
+        (x2.T @ du2).astype(w_up.dtype),
+        (h.reshape(-1, h.shape[-1]).T @ dy2).astype(w_down.dtype),
+    )
 
 
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)

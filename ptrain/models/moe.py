@@ -68,8 +68,12 @@ class MoE(nnx.Module):
             topk_groups=self.topk_groups,
         )
         y_TxD = moe_kernels.moe_ffn(
-            x_TxD, r.expert_ids_Txk, r.weights_Txk.astype(x_TxD.dtype),
-            self.w_gate[...], self.w_up[...], self.w_down[...],
+            x_TxD,
+            r.expert_ids_Txk,
+            r.weights_Txk.astype(x_TxD.dtype),
+            self.w_gate[...],
+            self.w_up[...],
+            self.w_down[...],
             implementation=self.implementation,
         )
         if self.n_shared:
@@ -87,7 +91,11 @@ def update_router_bias(state: nnx.State, expert_load_LxE: jax.Array, rate: float
     through unchanged; with no RouterBias (softmax routers) the state is returned as is.
     """
     flat = list(nnx.to_flat_state(state))
-    bias_items = [(i, p, v) for i, (p, v) in enumerate(flat) if isinstance(v, RouterBias) or getattr(v, "type", None) is RouterBias]
+    bias_items = [
+        (i, p, v)
+        for i, (p, v) in enumerate(flat)
+        if isinstance(v, RouterBias) or getattr(v, "type", None) is RouterBias
+    ]
     if not bias_items:
         return state
     # Layer order = order of the integer layer index in the path (list layout), or the
@@ -97,7 +105,7 @@ def update_router_bias(state: nnx.State, expert_load_LxE: jax.Array, rate: float
     for i, path, var in bias_items:
         bias = var[...]
         n = bias.shape[0] if bias.ndim == 2 else 1
-        load = expert_load_LxE[row:row + n]
+        load = expert_load_LxE[row : row + n]
         if bias.ndim == 1:
             new = moe_kernels.update_router_bias(bias, load[0], rate)
         else:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from typing import Iterable
+from collections.abc import Iterable
 
 import ml_dtypes
 import numpy as np
@@ -51,8 +51,10 @@ class SafetensorsFile:
             try:
                 header = json.loads(f.read(n))
             except ValueError as e:  # UnicodeDecodeError and JSONDecodeError both are
-                raise ValueError(f"{path}: the safetensors header is not valid JSON ({e}); the file is corrupt: "
-                                 "copy or convert it again") from None
+                raise ValueError(
+                    f"{path}: the safetensors header is not valid JSON ({e}); the file is corrupt: "
+                    "copy or convert it again"
+                ) from None
         if not isinstance(header, dict):
             raise ValueError(f"{path}: the safetensors header is not a JSON object; the file is corrupt")
         self._meta = header.pop("__metadata__", {}) or {}
@@ -70,14 +72,20 @@ class SafetensorsFile:
                 count = int(np.prod(h["shape"], dtype=np.int64))
                 itemsize = _DTYPES[h["dtype"]].itemsize if h["dtype"] in _DTYPES else None
             except (KeyError, TypeError, ValueError):
-                raise ValueError(f"{self.path}: tensor {name!r} has a malformed header entry {h!r}; "
-                                 "the file is corrupt: copy or convert it again") from None
+                raise ValueError(
+                    f"{self.path}: tensor {name!r} has a malformed header entry {h!r}; "
+                    "the file is corrupt: copy or convert it again"
+                ) from None
             if end > data_bytes or start > end:
-                raise ValueError(f"{self.path}: tensor {name!r} needs bytes {start}-{end} of the data section, "
-                                 f"which holds {data_bytes}; the file is truncated: copy or convert it again")
+                raise ValueError(
+                    f"{self.path}: tensor {name!r} needs bytes {start}-{end} of the data section, "
+                    f"which holds {data_bytes}; the file is truncated: copy or convert it again"
+                )
             if itemsize is not None and end - start != count * itemsize:
-                raise ValueError(f"{self.path}: tensor {name!r} spans {end - start} bytes, but shape {h['shape']} "
-                                 f"of {h['dtype']} needs {count * itemsize}; the file is corrupt")
+                raise ValueError(
+                    f"{self.path}: tensor {name!r} spans {end - start} bytes, but shape {h['shape']} "
+                    f"of {h['dtype']} needs {count * itemsize}; the file is corrupt"
+                )
 
     def keys(self) -> list[str]:
         return list(self._header)
@@ -107,7 +115,11 @@ def save_file(tensors: dict[str, np.ndarray], path: str, metadata: dict[str, str
         arr = tensors[name]
         if arr.dtype not in _NAMES:
             raise ValueError(f"tensor {name!r}: dtype {arr.dtype} cannot be stored in safetensors")
-        header[name] = {"dtype": _NAMES[arr.dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
+        header[name] = {
+            "dtype": _NAMES[arr.dtype],
+            "shape": list(arr.shape),
+            "data_offsets": [offset, offset + arr.nbytes],
+        }
         offset += arr.nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # align the data section to 8 bytes, as the reference writer does
@@ -143,14 +155,14 @@ def open_folder(folder: str) -> dict[str, SafetensorsFile]:
     pickles = [p for p in os.listdir(folder) if p.endswith((".bin", ".pt", ".pth", ".pkl"))]
     hint = (
         f" It holds pickled weights ({', '.join(sorted(pickles))}), which ptrain never loads: convert them to "
-        "safetensors in a trusted environment first." if pickles else ""
+        "safetensors in a trusted environment first."
+        if pickles
+        else ""
     )
     raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json.{hint}")
 
 
-def write_sharded(
-    tensors: Iterable[tuple[str, np.ndarray]], folder: str, *, max_shard_bytes: int
-) -> list[str]:
+def write_sharded(tensors: Iterable[tuple[str, np.ndarray]], folder: str, *, max_shard_bytes: int) -> list[str]:
     """Writes tensors into model.safetensors, or into model-0000i-of-0000n.safetensors plus
     model.safetensors.index.json when the total exceeds max_shard_bytes. Returns file names."""
     shards: list[dict[str, np.ndarray]] = [{}]

@@ -15,6 +15,12 @@ from ptrain.parallel.sharding import (
 )
 
 __all__ = [
-    "DEFAULT_RULES", "MESH_AXES", "batch_sharding", "logical_to_spec", "make_mesh",
-    "maybe_initialize_distributed", "replicated", "shardings_for",
+    "DEFAULT_RULES",
+    "MESH_AXES",
+    "batch_sharding",
+    "logical_to_spec",
+    "make_mesh",
+    "maybe_initialize_distributed",
+    "replicated",
+    "shardings_for",
 ]

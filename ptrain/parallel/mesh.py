@@ -19,7 +19,8 @@ def resolve_mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int, 
     if data < 1 or data * fixed != n_devices:
         raise ValueError(
             f"mesh: data={cfg.data} fsdp={cfg.fsdp} tensor={cfg.tensor} expert={cfg.expert} does not use exactly "
-            f"the {n_devices} devices present; make the product {n_devices} (mesh.data=-1 fills the rest)")
+            f"the {n_devices} devices present; make the product {n_devices} (mesh.data=-1 fills the rest)"
+        )
     return data, cfg.fsdp, cfg.tensor, cfg.expert
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 # Logical axis -> mesh axes, tried in order. Params are sharded over fsdp on their
 # embedding dimension (ZeRO-3 style) and over tensor on heads / MLP hidden; experts over
@@ -30,8 +32,9 @@ def _as_tuple(x) -> tuple:
     return tuple(x) if isinstance(x, (list, tuple)) else (x,)
 
 
-def logical_to_spec(names: Sequence[Optional[str]], shape: Sequence[int], mesh: Mesh,
-                    rules: Sequence[tuple[str, Any]] = DEFAULT_RULES) -> P:
+def logical_to_spec(
+    names: Sequence[str | None], shape: Sequence[int], mesh: Mesh, rules: Sequence[tuple[str, Any]] = DEFAULT_RULES
+) -> P:
     """Map one array's logical axis names to a PartitionSpec.
 
     A mesh axis is used at most once per array, and only where it divides the
@@ -57,8 +60,7 @@ def logical_to_spec(names: Sequence[Optional[str]], shape: Sequence[int], mesh: 
     return P(*out)
 
 
-def shardings_for(abstract_tree, logical_tree, mesh: Mesh,
-                  rules: Sequence[tuple[str, Any]] = DEFAULT_RULES):
+def shardings_for(abstract_tree, logical_tree, mesh: Mesh, rules: Sequence[tuple[str, Any]] = DEFAULT_RULES):
     """NamedShardings for a pytree of arrays/ShapeDtypeStructs given matching logical names.
 
     `logical_tree` mirrors `abstract_tree` with a tuple of names (or None) per leaf;

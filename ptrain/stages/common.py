@@ -10,8 +10,9 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -40,14 +41,15 @@ def rules_of(run: RunConfig):
     return [tuple(r) for r in run.mesh.rules] if run.mesh.rules else list(DEFAULT_RULES)
 
 
-def tokenizer_for(run: RunConfig, init_path: Optional[str]):
+def tokenizer_for(run: RunConfig, init_path: str | None):
     """The stage's tokenizer: data.tokenizer_path, else the starting model's, else the embedded one."""
     from ptrain.data.tokenizer import get_tokenizer, load_tokenizer
 
     if run.data.tokenizer_path is None and init_path and os.path.isfile(os.path.join(init_path, "tokenizer.json")):
         return load_tokenizer(init_path)
-    return get_tokenizer(run.data.tokenizer_path, os.path.join(run.run_dir, "tokenizer"),
-                         vocab_size=run.data.tokenizer_vocab_size)
+    return get_tokenizer(
+        run.data.tokenizer_path, os.path.join(run.run_dir, "tokenizer"), vocab_size=run.data.tokenizer_vocab_size
+    )
 
 
 def ensure_base_model(run: RunConfig, tokenizer) -> str:
@@ -67,8 +69,10 @@ def ensure_base_model(run: RunConfig, tokenizer) -> str:
     if cfg.vocab_size == 0:
         cfg = dataclasses.replace(cfg, vocab_size=len(tokenizer))
     if cfg.vocab_size < len(tokenizer):
-        raise ValueError(f"config key 'model.vocab_size': {cfg.vocab_size} is smaller than the tokenizer's "
-                         f"{len(tokenizer)} tokens; pass 0 to take the tokenizer's size")
+        raise ValueError(
+            f"config key 'model.vocab_size': {cfg.vocab_size} is smaller than the tokenizer's "
+            f"{len(tokenizer)} tokens; pass 0 to take the tokenizer's size"
+        )
     model = Decoder(cfg, rngs=nnx.Rngs(cfg.seed))
     tmp = path + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -84,14 +88,25 @@ def load_model(run: RunConfig, path: str, mesh, tokenizer=None):
     from ptrain.models import load_hf
 
     m = run.model
-    model = load_hf(path, dtype=m.dtype, param_dtype=m.param_dtype, mesh=mesh, rules=tuple(rules_of(run)),
-                    remat=m.remat, scan_layers=m.scan_layers, moe_implementation=m.moe_implementation,
-                    router_aux_loss_coef=m.router_aux_loss_coef, router_bias_update_rate=m.router_bias_update_rate)
+    model = load_hf(
+        path,
+        dtype=m.dtype,
+        param_dtype=m.param_dtype,
+        mesh=mesh,
+        rules=tuple(rules_of(run)),
+        remat=m.remat,
+        scan_layers=m.scan_layers,
+        moe_implementation=m.moe_implementation,
+        router_aux_loss_coef=m.router_aux_loss_coef,
+        router_bias_update_rate=m.router_bias_update_rate,
+    )
     vocab = model.cfg.vocab_size
     if tokenizer is not None and len(tokenizer) > vocab:
-        raise ValueError(f"the model in {path} has a vocabulary of {vocab} but the tokenizer has {len(tokenizer)} "
-                         "tokens; use the tokenizer saved with that model (data.tokenizer_path, or a folder with "
-                         "tokenizer.json beside config.json) or a model whose embedding covers it")
+        raise ValueError(
+            f"the model in {path} has a vocabulary of {vocab} but the tokenizer has {len(tokenizer)} "
+            "tokens; use the tokenizer saved with that model (data.tokenizer_path, or a folder with "
+            "tokenizer.json beside config.json) or a model whose embedding covers it"
+        )
     return model
 
 
@@ -125,19 +140,31 @@ def place_state(run: RunConfig, model, tx, mesh, *, with_reference: bool = False
     ref = jax.tree.map(jnp.copy, params) if with_reference else None
     state = TrainState(
         step=jax.device_put(jnp.zeros((), jnp.int32), rep),
-        params=params, opt_state=opt_state,
+        params=params,
+        opt_state=opt_state,
         rng=jax.device_put(jax.random.key_data(jax.random.key(run.train.seed)), rep),
-        model_state=model_state, ref_params=ref,
+        model_state=model_state,
+        ref_params=ref,
     )
-    shardings = TrainState(step=rep, params=param_sh, opt_state=opt_sh, rng=rep, model_state=mstate_sh,
-                           ref_params=param_sh if with_reference else None)
+    shardings = TrainState(
+        step=rep,
+        params=param_sh,
+        opt_state=opt_sh,
+        rng=rep,
+        model_state=mstate_sh,
+        ref_params=param_sh if with_reference else None,
+    )
     return Placed(model_def, state, shardings, mesh)
 
 
 def jit_step(step_fn, placed: Placed):
     """jit once, here in the driver: state in/out shardings, batch split over data x fsdp, state donated."""
-    return jax.jit(step_fn, in_shardings=(placed.state_shardings, batch_sharding(placed.mesh)),
-                   out_shardings=(placed.state_shardings, None), donate_argnums=(0,))
+    return jax.jit(
+        step_fn,
+        in_shardings=(placed.state_shardings, batch_sharding(placed.mesh)),
+        out_shardings=(placed.state_shardings, None),
+        donate_argnums=(0,),
+    )
 
 
 def restore_or_start(ckpt: StageCheckpointer, placed: Placed, resume: bool):
@@ -158,7 +185,8 @@ def check_finite(step: int, metrics: dict) -> None:
     if loss is not None and not math.isfinite(loss):
         raise TrainingDiverged(
             f"loss is {loss} at step {step} (grad_norm {metrics.get('grad_norm')}); lower optim.lr, "
-            "raise optim.warmup_steps or set optim.grad_clip, then re-launch (it resumes from the last checkpoint)")
+            "raise optim.warmup_steps or set optim.grad_clip, then re-launch (it resumes from the last checkpoint)"
+        )
 
 
 def train_loop(
@@ -174,8 +202,8 @@ def train_loop(
     start_step: int,
     finalize: Callable[[dict], dict],
     tokens_in: Callable[[dict], int],
-    evaluate: Optional[Callable[[TrainState, int], dict]] = None,
-    meta: Optional[dict] = None,
+    evaluate: Callable[[TrainState, int], dict] | None = None,
+    meta: dict | None = None,
 ) -> tuple[TrainState, dict]:
     """The thin driver loop: batch -> jitted step -> metrics (one step behind) -> checkpoints/evals.
 
@@ -286,17 +314,27 @@ def train_evaluate_export(
             out.update(ev(state))
         return out
 
-    logger = MetricsLogger(run.logging, stage_dir, total_steps=run.train.steps, start_step=start_step,
-                           name=f"{kind} {name}")
+    logger = MetricsLogger(
+        run.logging, stage_dir, total_steps=run.train.steps, start_step=start_step, name=f"{kind} {name}"
+    )
     try:
         if start_step == 0:
             logger.log(0, report.as_metrics(prefix=""), prefix="data")
             if evaluators:
                 logger.log(0, evaluate(state, 0), prefix="eval")
         state, last = train_loop(
-            run, state=state, step_fn=step_fn, batches=batches, data_state=batches.get_state, mesh=placed.mesh,
-            checkpointer=checkpointer, logger=logger, start_step=start_step, finalize=finalize,
-            tokens_in=tokens_in, evaluate=evaluate if evaluators else None,
+            run,
+            state=state,
+            step_fn=step_fn,
+            batches=batches,
+            data_state=batches.get_state,
+            mesh=placed.mesh,
+            checkpointer=checkpointer,
+            logger=logger,
+            start_step=start_step,
+            finalize=finalize,
+            tokens_in=tokens_in,
+            evaluate=evaluate if evaluators else None,
             meta={"stage": name, "kind": kind, "config": resolved(run)},
         )
     finally:
@@ -304,8 +342,13 @@ def train_evaluate_export(
         logger.close()
     export = export_stage(placed, state, stage_dir, tokenizer)
     summary = {k: v for k, v in last.items() if isinstance(v, float)}
-    summary.update(stage=name, steps=run.train.steps, export=export, bad_rows=report.bad,
-                   wall_time_s=round(time.time() - t_start, 1))
+    summary.update(
+        stage=name,
+        steps=run.train.steps,
+        export=export,
+        bad_rows=report.bad,
+        wall_time_s=round(time.time() - t_start, 1),
+    )
     mark_done(stage_dir, summary)
     return summary
 

@@ -40,8 +40,9 @@ from ptrain.train.step import make_train_step
 REFERENCE_FREE = ("simpo", "orpo")
 
 
-def reference_logprobs(placed, params, model_state, data_cfg, tokenizer, *, batch_size: int, seq_len: int,
-                       split: str) -> tuple[np.ndarray, np.ndarray]:
+def reference_logprobs(
+    placed, params, model_state, data_cfg, tokenizer, *, batch_size: int, seq_len: int, split: str
+) -> tuple[np.ndarray, np.ndarray]:
     """One in-order pass over a split: summed completion log-probs of (chosen, rejected) per pair."""
     fn = jax.jit(lambda p, s, b: pair_logprobs(placed.model_def, p, s, b)[:2])
     it = make_preference_pass(data_cfg, tokenizer, batch_size=batch_size, seq_len=seq_len, split=split)
@@ -84,14 +85,17 @@ def preference_evaluator(run: RunConfig, placed, data_cfg, tokenizer, ref_eval: 
     fn = jax.jit(lambda p, s, b: pair_logprobs(placed.model_def, p, s, b)[:2])
 
     def evaluate(state) -> dict:
-        it = make_preference_iterator(data_cfg, tokenizer, batch_size=t.global_batch_size, seq_len=t.seq_len,
-                                      split="eval")
+        it = make_preference_iterator(
+            data_cfg, tokenizer, batch_size=t.global_batch_size, seq_len=t.seq_len, split="eval"
+        )
         pref, reward_acc, margin, n = 0.0, 0.0, 0.0, 0
         for i, batch in enumerate(it):
             if i >= t.eval_batches:
                 break
-            c, r = (np.asarray(x) for x in fn(state.params, state.model_state,
-                                              jax.device_put(batch, batch_sharding(placed.mesh))))
+            c, r = (
+                np.asarray(x)
+                for x in fn(state.params, state.model_state, jax.device_put(batch, batch_sharding(placed.mesh)))
+            )
             keep = batch["pair_index"] >= 0
             idx = batch["pair_index"][keep]
             c, r = c[keep], r[keep]
@@ -110,8 +114,10 @@ def run_dpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict
     """Run (or resume) one preference-optimisation stage; returns its summary after export."""
     t_start = time.time()
     if run.data.format != "preference":
-        raise ValueError(f"stage '{run.stages[0].name}' is a DPO stage but data.format is '{run.data.format}'; "
-                         "set data: {format: preference} in the stage (rows need prompt, chosen and rejected)")
+        raise ValueError(
+            f"stage '{run.stages[0].name}' is a DPO stage but data.format is '{run.data.format}'; "
+            "set data: {format: preference} in the stage (rows need prompt, chosen and rejected)"
+        )
     tokenizer = tokenizer_for(run, init_path)
     data_cfg = write_generated(run.data, os.path.join(run.run_dir, "data"))
     t, algo, mesh = run.train, run.algo.dpo, stage_mesh(run)
@@ -124,38 +130,71 @@ def run_dpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict
     if algo.policy_pairs:
         data_cfg = policy_pairs_data(run, stage_dir, placed, init_params, init_mstate, data_cfg, tokenizer)
 
-    train_iter = make_preference_iterator(data_cfg, tokenizer, batch_size=t.global_batch_size, seq_len=t.seq_len,
-                                          seed=data_cfg.shuffle_seed)
+    train_iter = make_preference_iterator(
+        data_cfg, tokenizer, batch_size=t.global_batch_size, seq_len=t.seq_len, seed=data_cfg.shuffle_seed
+    )
     print(f"ptrain: {train_iter.n_examples} preference pairs; {train_iter.report.summary()}", flush=True)
 
     batches = train_iter
     if needs_ref and algo.precompute_reference:
         # The reference is the starting weights: computed before any checkpoint is restored.
-        ref = reference_logprobs(placed, init_params, init_mstate, data_cfg, tokenizer,
-                                 batch_size=t.global_batch_size, seq_len=t.seq_len, split="train")
+        ref = reference_logprobs(
+            placed,
+            init_params,
+            init_mstate,
+            data_cfg,
+            tokenizer,
+            batch_size=t.global_batch_size,
+            seq_len=t.seq_len,
+            split="train",
+        )
         batches = WithReference(train_iter, *ref)
     evaluators = []
     if data_cfg.eval_path is not None and t.eval_batches > 0:
-        ref_eval = reference_logprobs(placed, init_params, init_mstate, data_cfg, tokenizer,
-                                      batch_size=t.global_batch_size, seq_len=t.seq_len, split="eval")
+        ref_eval = reference_logprobs(
+            placed,
+            init_params,
+            init_mstate,
+            data_cfg,
+            tokenizer,
+            batch_size=t.global_batch_size,
+            seq_len=t.seq_len,
+            split="eval",
+        )
         evaluators.append(preference_evaluator(run, placed, data_cfg, tokenizer, ref_eval))
     if data_cfg.eval_path is not None and t.eval_generate > 0:
         prompts = make_eval_prompts(data_cfg, tokenizer, limit=t.eval_generate)
         if any(p.task for p in prompts):
             evaluators.append(exact_match_evaluator(run, prompts, tokenizer, placed))
 
-    objective = make_dpo_objective(placed.model_def, algo, vocab_chunk=t.vocab_chunk,
-                                   aux_loss_coef=run.model.router_aux_loss_coef)
-    step_fn = jit_step(make_train_step(objective, dpo_denominator, tx, lr, grad_accum=t.grad_accum,
-                                       post_update=router_bias_update(run, model)), placed)
+    objective = make_dpo_objective(
+        placed.model_def, algo, vocab_chunk=t.vocab_chunk, aux_loss_coef=run.model.router_aux_loss_coef
+    )
+    step_fn = jit_step(
+        make_train_step(
+            objective, dpo_denominator, tx, lr, grad_accum=t.grad_accum, post_update=router_bias_update(run, model)
+        ),
+        placed,
+    )
     ckpt = StageCheckpointer(os.path.join(stage_dir, "checkpoints"), run.checkpoint)
     start, state, data_state = restore_or_start(ckpt, placed, run.checkpoint.resume)
     if data_state is not None:
         batches.set_state(data_state)
 
     return train_evaluate_export(
-        run, stage_dir=stage_dir, kind=algo.kind, placed=placed, state=state, step_fn=step_fn, batches=batches,
-        report=train_iter.report, evaluators=evaluators, checkpointer=ckpt, start_step=start,
+        run,
+        stage_dir=stage_dir,
+        kind=algo.kind,
+        placed=placed,
+        state=state,
+        step_fn=step_fn,
+        batches=batches,
+        report=train_iter.report,
+        evaluators=evaluators,
+        checkpointer=ckpt,
+        start_step=start,
         finalize=lambda m: finalize_metrics(m, t.grad_accum),
         tokens_in=lambda b: int(np.sum(b["chosen_segment_ids"] > 0) + np.sum(b["rejected_segment_ids"] > 0)),
-        tokenizer=tokenizer, t_start=t_start)
+        tokenizer=tokenizer,
+        t_start=t_start,
+    )

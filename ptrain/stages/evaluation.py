@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -58,8 +58,16 @@ class Completion:
     """Generated tokens, the stop token included."""
 
 
-def complete(model, prompt_ids: list[list[int]], tokenizer, *, max_new_tokens: int, temperature: float = 0.0,
-             seed: int = 0, batch_size: int = 64) -> list[Completion]:
+def complete(
+    model,
+    prompt_ids: list[list[int]],
+    tokenizer,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    batch_size: int = 64,
+) -> list[Completion]:
     """One completion per prompt, generated `batch_size` rows at a time. Every call is padded
     to `batch_size` rows and one prompt bucket, so all of them reuse one compiled program;
     call b samples with key fold_in(key(seed), b)."""
@@ -69,19 +77,33 @@ def complete(model, prompt_ids: list[list[int]], tokenizer, *, max_new_tokens: i
     stop, pad = stop_token_ids(tokenizer), tokenizer.pad_token_id or 0
     out: list[Completion] = []
     for b, start in enumerate(range(0, len(prompt_ids), batch_size)):
-        chunk = prompt_ids[start:start + batch_size]
+        chunk = prompt_ids[start : start + batch_size]
         ids = chunk + [chunk[0]] * (batch_size - len(chunk))
-        gen = generate(model, ids, max_new_tokens=max_new_tokens, temperature=temperature, stop_tokens=stop,
-                       pad_id=pad, prompt_bucket=bucket, rng=jax.random.fold_in(jax.random.key(seed), b))
+        gen = generate(
+            model,
+            ids,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            stop_tokens=stop,
+            pad_id=pad,
+            prompt_bucket=bucket,
+            rng=jax.random.fold_in(jax.random.key(seed), b),
+        )
         for r in range(len(chunk)):
             n = int(gen.lengths_B[r])
-            out.append(Completion(tokenizer.decode(gen.tokens_BxN[r, :n].tolist(), skip_special_tokens=True),
-                                  gen.finish_reasons[r] == "stop", n))
+            out.append(
+                Completion(
+                    tokenizer.decode(gen.tokens_BxN[r, :n].tolist(), skip_special_tokens=True),
+                    gen.finish_reasons[r] == "stop",
+                    n,
+                )
+            )
     return out
 
 
-def exact_match_evaluator(run: RunConfig, prompts: list[EvalPrompt], tokenizer, placed,
-                          batch_size: int = 64) -> Callable[[TrainState], dict]:
+def exact_match_evaluator(
+    run: RunConfig, prompts: list[EvalPrompt], tokenizer, placed, batch_size: int = 64
+) -> Callable[[TrainState], dict]:
     """Fraction of held-out prompts whose greedy answer the task's verifier accepts."""
     t = run.train
     prompts = [p for p in prompts if p.task]
@@ -91,7 +113,9 @@ def exact_match_evaluator(run: RunConfig, prompts: list[EvalPrompt], tokenizer, 
         model = placed.model_def.bind(state.params, state.model_state)
         outs = complete(model, ids, tokenizer, max_new_tokens=t.eval_max_new_tokens, batch_size=batch_size)
         correct = sum(bool(check_answer(p.task, o.text)) for p, o in zip(prompts, outs))
-        return {"exact_match": correct / max(len(prompts), 1),
-                "response_length": float(np.mean([o.length for o in outs]))}
+        return {
+            "exact_match": correct / max(len(prompts), 1),
+            "response_length": float(np.mean([o.length for o in outs])),
+        }
 
     return evaluate

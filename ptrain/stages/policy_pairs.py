@@ -37,8 +37,14 @@ META_FILE = "policy_pairs.json"
 
 def _settings(run: RunConfig) -> dict[str, Any]:
     d = run.algo.dpo
-    return {"prompts": d.policy_pairs, "samples": d.policy_samples, "temperature": d.policy_temperature,
-            "max_new_tokens": d.policy_max_new_tokens, "step_level": d.policy_step_level, "seed": run.train.seed}
+    return {
+        "prompts": d.policy_pairs,
+        "samples": d.policy_samples,
+        "temperature": d.policy_temperature,
+        "max_new_tokens": d.policy_max_new_tokens,
+        "step_level": d.policy_step_level,
+        "seed": run.train.seed,
+    }
 
 
 def first_wrong_step(chosen: str, rejected: str) -> str:
@@ -51,17 +57,19 @@ def first_wrong_step(chosen: str, rejected: str) -> str:
     return rejected
 
 
-def sample_completions(placed, params, model_state, prompts, tokenizer, *, samples: int, temperature: float,
-                       max_new_tokens: int, seed: int) -> list[list[tuple[str, bool]]]:
+def sample_completions(
+    placed, params, model_state, prompts, tokenizer, *, samples: int, temperature: float, max_new_tokens: int, seed: int
+) -> list[list[tuple[str, bool]]]:
     """`samples` (decoded completion, ended by a stop token) per prompt."""
     model = placed.model_def.bind(params, model_state)
     ids = [p.prompt_ids.tolist() for p in prompts for _ in range(samples)]
     outs = complete(model, ids, tokenizer, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
-    return [[(o.text, o.finished) for o in outs[i * samples:(i + 1) * samples]] for i in range(len(prompts))]
+    return [[(o.text, o.finished) for o in outs[i * samples : (i + 1) * samples]] for i in range(len(prompts))]
 
 
-def build_pairs(rows: list[dict], tasks: list[dict], completions: list[list[tuple[str, bool]]], *,
-                step_level: bool = False) -> tuple[list[dict], dict[str, float]]:
+def build_pairs(
+    rows: list[dict], tasks: list[dict], completions: list[list[tuple[str, bool]]], *, step_level: bool = False
+) -> tuple[list[dict], dict[str, float]]:
     """Preference rows from graded samples, and counts of what happened per prompt.
 
     A sample is correct when it ended with a stop token and the verifier accepts it; one
@@ -90,8 +98,14 @@ def build_pairs(rows: list[dict], tasks: list[dict], completions: list[list[tupl
         for c, r in zip(chosen_texts, bad):
             if step_level:
                 r = first_wrong_step(c, r)
-            pairs.append({"prompt": prompt, "chosen": [{"role": "assistant", "content": c}],
-                          "rejected": [{"role": "assistant", "content": r}], "task": verifier_task})
+            pairs.append(
+                {
+                    "prompt": prompt,
+                    "chosen": [{"role": "assistant", "content": c}],
+                    "rejected": [{"role": "assistant", "content": r}],
+                    "task": verifier_task,
+                }
+            )
     counts["pairs"] = len(pairs)
     counts["sample_accuracy"] = n_correct / max(n_samples, 1)
     return pairs, counts
@@ -105,31 +119,52 @@ def policy_pairs_data(run: RunConfig, stage_dir: str, placed, params, model_stat
         with open(meta_path) as f:
             meta = json.load(f)
         if meta.get("settings") != settings:
-            raise ValueError(f"{meta_path} holds pairs sampled with {meta.get('settings')}, but this run asks for "
-                             f"{settings}; use a new run_dir, or delete {path} and {meta_path} to sample again")
+            raise ValueError(
+                f"{meta_path} holds pairs sampled with {meta.get('settings')}, but this run asks for "
+                f"{settings}; use a new run_dir, or delete {path} and {meta_path} to sample again"
+            )
         print(f"ptrain: reusing {meta['counts']['pairs']} on-policy pairs from {path}", flush=True)
         return dataclasses.replace(data_cfg, source="jsonl", train_path=path)
 
     t0 = time.time()
-    report = BadRowReport(source=f"{data_cfg.train_path or 'the training data'} (policy_pairs prompts)",
-                          policy=data_cfg.bad_rows, keep_rows=data_cfg.report_rows)
-    prompts = [p for p in make_eval_prompts(data_cfg, tokenizer, split="train", limit=settings["prompts"],
-                                            report=report) if p.task]
+    report = BadRowReport(
+        source=f"{data_cfg.train_path or 'the training data'} (policy_pairs prompts)",
+        policy=data_cfg.bad_rows,
+        keep_rows=data_cfg.report_rows,
+    )
+    prompts = [
+        p
+        for p in make_eval_prompts(data_cfg, tokenizer, split="train", limit=settings["prompts"], report=report)
+        if p.task
+    ]
     if report.bad:
         print(f"ptrain: {report.summary()}", flush=True)
     if not prompts:
-        raise ValueError("algo.dpo.policy_pairs > 0 needs training rows with task metadata (a verifier to grade "
-                         "the samples); these rows have none: set algo.dpo.policy_pairs=0 to use their own pairs")
+        raise ValueError(
+            "algo.dpo.policy_pairs > 0 needs training rows with task metadata (a verifier to grade "
+            "the samples); these rows have none: set algo.dpo.policy_pairs=0 to use their own pairs"
+        )
     source = open_split(data_cfg, "train")
-    completions = sample_completions(placed, params, model_state, prompts, tokenizer,
-                                     samples=settings["samples"], temperature=settings["temperature"],
-                                     max_new_tokens=settings["max_new_tokens"], seed=settings["seed"])
-    pairs, counts = build_pairs([source[p.row] for p in prompts], [p.task for p in prompts], completions,
-                                step_level=settings["step_level"])
+    completions = sample_completions(
+        placed,
+        params,
+        model_state,
+        prompts,
+        tokenizer,
+        samples=settings["samples"],
+        temperature=settings["temperature"],
+        max_new_tokens=settings["max_new_tokens"],
+        seed=settings["seed"],
+    )
+    pairs, counts = build_pairs(
+        [source[p.row] for p in prompts], [p.task for p in prompts], completions, step_level=settings["step_level"]
+    )
     if not pairs:
-        raise ValueError(f"the starting policy answered all {len(prompts)} sampled prompts correctly (or never "
-                         "produced a non-empty wrong answer), so there is nothing to prefer: raise "
-                         "algo.dpo.policy_temperature or algo.dpo.policy_pairs, or set it to 0")
+        raise ValueError(
+            f"the starting policy answered all {len(prompts)} sampled prompts correctly (or never "
+            "produced a non-empty wrong answer), so there is nothing to prefer: raise "
+            "algo.dpo.policy_temperature or algo.dpo.policy_pairs, or set it to 0"
+        )
     write_jsonl(pairs, path)
     counts["seconds"] = round(time.time() - t0, 1)
     counts["bad_prompt_rows"] = report.bad
@@ -137,8 +172,11 @@ def policy_pairs_data(run: RunConfig, stage_dir: str, placed, params, model_stat
     with open(tmp, "w") as f:
         json.dump({"settings": settings, "counts": counts}, f, indent=2)
     os.replace(tmp, meta_path)
-    print(f"ptrain: sampled {settings['samples']} completions for each of {len(prompts)} prompts in "
-          f"{counts['seconds']} s: sample accuracy {counts['sample_accuracy']:.3f}, {counts['pairs']} pairs "
-          f"({counts['pairs_from_samples']} from samples, {counts['pairs_with_data_chosen']} with the data's chosen "
-          f"answer; {counts['prompts_all_correct']} prompts always right) -> {path}", flush=True)
+    print(
+        f"ptrain: sampled {settings['samples']} completions for each of {len(prompts)} prompts in "
+        f"{counts['seconds']} s: sample accuracy {counts['sample_accuracy']:.3f}, {counts['pairs']} pairs "
+        f"({counts['pairs_from_samples']} from samples, {counts['pairs_with_data_chosen']} with the data's chosen "
+        f"answer; {counts['prompts_all_correct']} prompts always right) -> {path}",
+        flush=True,
+    )
     return dataclasses.replace(data_cfg, source="jsonl", train_path=path)

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 
 from ptrain.config.train import DPOAlgoConfig, SFTAlgoConfig
 from ptrain.losses import preference_loss, sequence_logprobs, vocab_stats, vocab_stats_from_hidden
-from ptrain.losses.sft import sft_loss_from_stats
 from ptrain.losses.reduce import sequence_sums
+from ptrain.losses.sft import sft_loss_from_stats
 from ptrain.train.state import ModelDef, TrainState
 
 
@@ -44,16 +44,16 @@ def target_stats(model_def: ModelDef, params, model_state, batch: dict, vocab_ch
     """
     model = model_def.bind(params, model_state)
     if vocab_chunk:
-        h, aux = model(batch["input_ids"], batch["positions"], batch["segment_ids"], return_aux=True,
-                       return_hidden=True)
+        h, aux = model(
+            batch["input_ids"], batch["positions"], batch["segment_ids"], return_aux=True, return_hidden=True
+        )
         head = model.head_weight().astype(h.dtype)
         return vocab_stats_from_hidden(h, head, batch["target_ids"], chunk_size=vocab_chunk), aux
     logits, aux = model(batch["input_ids"], batch["positions"], batch["segment_ids"], return_aux=True)
     return vocab_stats(logits, batch["target_ids"]), aux
 
 
-def make_sft_objective(model_def: ModelDef, cfg: SFTAlgoConfig, *, aux_loss_coef: float = 0.0,
-                       vocab_chunk: int = 0):
+def make_sft_objective(model_def: ModelDef, cfg: SFTAlgoConfig, *, aux_loss_coef: float = 0.0, vocab_chunk: int = 0):
     """SFT cross-entropy (+ MoE load-balancing loss) as an accumulation-exact objective."""
 
     def objective(params, state: TrainState, batch: dict, denoms: dict[str, jax.Array]):
@@ -102,12 +102,15 @@ SIDES = ("chosen", "rejected")
 
 def both_sides(batch: dict) -> dict:
     """Stack the chosen and rejected halves of a preference batch into one [2B, L] batch."""
-    return {k: jnp.concatenate([batch[f"chosen_{k}"], batch[f"rejected_{k}"]], axis=0)
-            for k in ("input_ids", "target_ids", "loss_mask", "segment_ids", "positions")}
+    return {
+        k: jnp.concatenate([batch[f"chosen_{k}"], batch[f"rejected_{k}"]], axis=0)
+        for k in ("input_ids", "target_ids", "loss_mask", "segment_ids", "positions")
+    }
 
 
-def pair_logprobs(model_def: ModelDef, params, model_state, batch: dict, vocab_chunk: int = 0,
-                  return_aux: bool = False):
+def pair_logprobs(
+    model_def: ModelDef, params, model_state, batch: dict, vocab_chunk: int = 0, return_aux: bool = False
+):
     """Per-sequence summed completion log-probs and token counts of both sides, each [B]
     (and, with return_aux, the forward's ModelAux: the MoE router terms).
 
@@ -127,8 +130,7 @@ def dpo_denominator(batch: dict) -> jax.Array:
     return jnp.sum((batch["pair_index"] >= 0).astype(jnp.float32))
 
 
-def make_dpo_objective(model_def: ModelDef, cfg: DPOAlgoConfig, *, vocab_chunk: int = 0,
-                       aux_loss_coef: float = 0.0):
+def make_dpo_objective(model_def: ModelDef, cfg: DPOAlgoConfig, *, vocab_chunk: int = 0, aux_loss_coef: float = 0.0):
     """Preference loss of the policy against the frozen reference, averaged over real pairs
     (+ the MoE load-balancing loss of the policy's forward, weighted by aux_loss_coef).
 
@@ -139,25 +141,40 @@ def make_dpo_objective(model_def: ModelDef, cfg: DPOAlgoConfig, *, vocab_chunk: 
     reference_free = cfg.kind in ("simpo", "orpo")
 
     def objective(params, state: TrainState, batch: dict, denom: jax.Array):
-        pc, pr, nc, nr, model_aux = pair_logprobs(model_def, params, state.model_state, batch, vocab_chunk,
-                                                  return_aux=True)
+        pc, pr, nc, nr, model_aux = pair_logprobs(
+            model_def, params, state.model_state, batch, vocab_chunk, return_aux=True
+        )
         if reference_free:
             rc = rr = None
         elif "ref_chosen_logps" in batch:
             rc, rr = batch["ref_chosen_logps"], batch["ref_rejected_logps"]
         else:
-            rc, rr, _, _ = pair_logprobs(model_def, jax.lax.stop_gradient(state.ref_params), state.model_state, batch,
-                                         vocab_chunk)
-        loss_b, aux = preference_loss(pc, pr, rc, rr, kind=cfg.kind, beta=cfg.beta,
-                                      label_smoothing=cfg.label_smoothing, gamma=cfg.gamma,
-                                      nll_weight=cfg.nll_weight, dpop_lambda=cfg.dpop_lambda,
-                                      chosen_token_counts=nc, rejected_token_counts=nr)
+            rc, rr, _, _ = pair_logprobs(
+                model_def, jax.lax.stop_gradient(state.ref_params), state.model_state, batch, vocab_chunk
+            )
+        loss_b, aux = preference_loss(
+            pc,
+            pr,
+            rc,
+            rr,
+            kind=cfg.kind,
+            beta=cfg.beta,
+            label_smoothing=cfg.label_smoothing,
+            gamma=cfg.gamma,
+            nll_weight=cfg.nll_weight,
+            dpop_lambda=cfg.dpop_lambda,
+            chosen_token_counts=nc,
+            rejected_token_counts=nr,
+        )
         valid = (batch["pair_index"] >= 0).astype(jnp.float32)
         mean = lambda x: jnp.sum(x * valid) / denom
         metrics = {
-            "rewards_chosen": mean(aux.chosen_rewards), "rewards_rejected": mean(aux.rejected_rewards),
-            "margin": mean(aux.margin), "reward_accuracy": mean(aux.accuracy),
-            "logps_chosen": mean(pc), "logps_rejected": mean(pr),
+            "rewards_chosen": mean(aux.chosen_rewards),
+            "rewards_rejected": mean(aux.rejected_rewards),
+            "margin": mean(aux.margin),
+            "reward_accuracy": mean(aux.accuracy),
+            "logps_chosen": mean(pc),
+            "logps_rejected": mean(pr),
             "preference_accuracy": mean((pc > pr).astype(jnp.float32)),
             "loss_tokens": jnp.sum((nc + nr) * valid),
         }

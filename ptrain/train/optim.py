@@ -51,14 +51,13 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> tuple[optax.GradientTr
     lr = make_schedule(cfg, total_steps)
     if cfg.name in ("adamw", "adam"):
         wd = cfg.weight_decay if cfg.name == "adamw" else 0.0
-        opt = optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=wd,
-                          mask=lambda p: decay_mask(p, cfg))
+        opt = optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=wd, mask=lambda p: decay_mask(p, cfg))
     elif cfg.name == "lion":
-        opt = optax.lion(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
-                         mask=lambda p: decay_mask(p, cfg))
+        opt = optax.lion(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=lambda p: decay_mask(p, cfg))
     elif cfg.name == "adafactor":
-        opt = optax.adafactor(lr, weight_decay_rate=cfg.weight_decay or None,
-                              weight_decay_mask=lambda p: decay_mask(p, cfg))
+        opt = optax.adafactor(
+            lr, weight_decay_rate=cfg.weight_decay or None, weight_decay_mask=lambda p: decay_mask(p, cfg)
+        )
     elif cfg.name == "sgd":
         opt = optax.sgd(lr, momentum=cfg.b1 or None)
     else:

@@ -9,7 +9,7 @@ bias) is kept apart in `model_state` so the optimizer never touches it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -81,8 +81,9 @@ def _unflatten(flat: dict) -> dict:
     return out
 
 
-def init_train_state(params: PyTree, tx, *, seed: int, model_state: PyTree = None,
-                     ref_params: Optional[PyTree] = None) -> TrainState:
+def init_train_state(
+    params: PyTree, tx, *, seed: int, model_state: PyTree = None, ref_params: PyTree | None = None
+) -> TrainState:
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,

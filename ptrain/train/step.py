@@ -13,7 +13,8 @@ micro-batch means would weight short micro-batches wrongly).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,8 +45,9 @@ def split_micro_batches(batch: dict, grad_accum: int) -> dict:
     return jax.tree.map(split, batch)
 
 
-def accumulate_gradients(objective: Objective, state: TrainState, batch: dict, denom: Any,
-                         grad_accum: int) -> tuple[PyTree, dict]:
+def accumulate_gradients(
+    objective: Objective, state: TrainState, batch: dict, denom: Any, grad_accum: int
+) -> tuple[PyTree, dict]:
     """Sum of per-micro-batch gradients and metrics (a scan when grad_accum > 1)."""
     grad_fn = jax.value_and_grad(objective, has_aux=True)
 
@@ -69,9 +71,15 @@ def accumulate_gradients(objective: Objective, state: TrainState, batch: dict, d
     return grads, metrics
 
 
-def make_train_step(objective: Objective, denominator: Denominator, tx: optax.GradientTransformation,
-                    lr_schedule: optax.Schedule, *, grad_accum: int = 1,
-                    post_update: Optional[PostUpdate] = None) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
+def make_train_step(
+    objective: Objective,
+    denominator: Denominator,
+    tx: optax.GradientTransformation,
+    lr_schedule: optax.Schedule,
+    *,
+    grad_accum: int = 1,
+    post_update: PostUpdate | None = None,
+) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
     """Build the pure `step(state, batch) -> (state, metrics)` of one optimizer update."""
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
@@ -80,10 +88,13 @@ def make_train_step(objective: Objective, denominator: Denominator, tx: optax.Gr
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         model_state = post_update(state.model_state, metrics) if post_update else state.model_state
-        metrics = dict(metrics, grad_norm=optax.global_norm(grads), lr=lr_schedule(state.step),
-                       param_norm=optax.global_norm(params))
-        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
-                                  model_state=model_state)
+        metrics = dict(
+            metrics,
+            grad_norm=optax.global_norm(grads),
+            lr=lr_schedule(state.step),
+            param_norm=optax.global_norm(params),
+        )
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state)
         return new_state, metrics
 
     return step

@@ -2,7 +2,6 @@
 
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,8 +12,13 @@ from ptrain.train.state import TrainState
 
 
 def state_at(step):
-    return TrainState(step=jnp.asarray(step, jnp.int32), params={"w": jnp.full((4, 3), float(step))},
-                      opt_state=({"mu": jnp.zeros((4, 3))},), rng=jnp.arange(2, dtype=jnp.uint32), model_state={})
+    return TrainState(
+        step=jnp.asarray(step, jnp.int32),
+        params={"w": jnp.full((4, 3), float(step))},
+        opt_state=({"mu": jnp.zeros((4, 3))},),
+        rng=jnp.arange(2, dtype=jnp.uint32),
+        model_state={},
+    )
 
 
 def saved(tmp_path, steps, keep=3):
@@ -95,7 +99,7 @@ def test_half_written_save_is_not_listed(tmp_path):
     ckpt.close()
 
 
-@pytest.mark.parametrize("text", ["", "{\"loss\": 0.1", "[1, 2]"])
+@pytest.mark.parametrize("text", ["", '{"loss": 0.1', "[1, 2]"])
 def test_damaged_done_marker_is_a_clear_error(tmp_path, text):
     """An empty, cut-off or wrong DONE.json names the file and says how to recover."""
     from ptrain.checkpoint import mark_done, read_done

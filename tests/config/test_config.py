@@ -3,7 +3,6 @@
 import pytest
 from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException
-from omegaconf import OmegaConf
 
 from ptrain.config import ConfigError, RunConfig, register_configs, stage_config, to_run_config
 
@@ -35,44 +34,50 @@ def test_stage_overrides_merge_over_top_level_nodes():
     assert cfg.optim.lr == 5e-5 and cfg.train.steps == 3 and cfg.optim.schedule == run.optim.schedule
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["optim.lr=-1"], "optim.lr"),
-    (["optim.schedule=triangle"], "optim.schedule"),
-    (["train.steps=0"], "train.steps"),
-    (["train.global_batch_size=10", "train.grad_accum=4"], "train.global_batch_size"),
-    (["model.n_kv_heads=3"], "model.n_kv_heads"),
-    (["model.dtype=float16"], "model.dtype"),
-    (["algo.sft.aggregation=median"], "algo.sft.aggregation"),
-    (["algo.sft.aggregation=sum", "algo.sft.norm_constant=-100"], "algo.sft.norm_constant"),
-    (["logging.log_every=0"], "logging.log_every"),
-    (["stages=[{name: '..', kind: sft}]"], "stages[0].name"),
-    (["algo.dpo.beta=0"], "algo.dpo.beta"),
-    (["algo.dpo.dpop_lambda=-1"], "algo.dpo.dpop_lambda"),
-    (["algo.dpo.policy_pairs=-1"], "algo.dpo.policy_pairs"),
-    (["algo.dpo.policy_samples=0"], "algo.dpo.policy_samples"),
-    (["algo.dpo.policy_temperature=-0.5"], "algo.dpo.policy_temperature"),
-    (["algo.dpo.policy_temperature=0", "algo.dpo.policy_samples=4"], "algo.dpo.policy_samples"),
-    (["algo.dpo.policy_max_new_tokens=0"], "algo.dpo.policy_max_new_tokens"),
-    (["data.source=jsonl"], "data.train_path"),
-    (["data.source=jsonl", "data.train_path=/nonexistent/train.jsonl"], "data.train_path"),
-    (["data.bad_rows=ignore"], "data.bad_rows"),
-    (["stages=[{name: a, kind: ppo}]"], "stages[0].kind"),
-    (["stages=[{name: a, kind: sft}, {name: a, kind: sft}]"], "stages"),
-    (["stages=[{name: a, kind: sft, init: /no/such/folder}]"], "stages[0].init"),
-    (["stages=[{name: a, kind: dpo}]"], "data.format"),
-    (["model.hf_path=/no/such/model"], "model.hf_path"),
-    (["checkpoint.keep=0"], "checkpoint.keep"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["optim.lr=-1"], "optim.lr"),
+        (["optim.schedule=triangle"], "optim.schedule"),
+        (["train.steps=0"], "train.steps"),
+        (["train.global_batch_size=10", "train.grad_accum=4"], "train.global_batch_size"),
+        (["model.n_kv_heads=3"], "model.n_kv_heads"),
+        (["model.dtype=float16"], "model.dtype"),
+        (["algo.sft.aggregation=median"], "algo.sft.aggregation"),
+        (["algo.sft.aggregation=sum", "algo.sft.norm_constant=-100"], "algo.sft.norm_constant"),
+        (["logging.log_every=0"], "logging.log_every"),
+        (["stages=[{name: '..', kind: sft}]"], "stages[0].name"),
+        (["algo.dpo.beta=0"], "algo.dpo.beta"),
+        (["algo.dpo.dpop_lambda=-1"], "algo.dpo.dpop_lambda"),
+        (["algo.dpo.policy_pairs=-1"], "algo.dpo.policy_pairs"),
+        (["algo.dpo.policy_samples=0"], "algo.dpo.policy_samples"),
+        (["algo.dpo.policy_temperature=-0.5"], "algo.dpo.policy_temperature"),
+        (["algo.dpo.policy_temperature=0", "algo.dpo.policy_samples=4"], "algo.dpo.policy_samples"),
+        (["algo.dpo.policy_max_new_tokens=0"], "algo.dpo.policy_max_new_tokens"),
+        (["data.source=jsonl"], "data.train_path"),
+        (["data.source=jsonl", "data.train_path=/nonexistent/train.jsonl"], "data.train_path"),
+        (["data.bad_rows=ignore"], "data.bad_rows"),
+        (["stages=[{name: a, kind: ppo}]"], "stages[0].kind"),
+        (["stages=[{name: a, kind: sft}, {name: a, kind: sft}]"], "stages"),
+        (["stages=[{name: a, kind: sft, init: /no/such/folder}]"], "stages[0].init"),
+        (["stages=[{name: a, kind: dpo}]"], "data.format"),
+        (["model.hf_path=/no/such/model"], "model.hf_path"),
+        (["checkpoint.keep=0"], "checkpoint.keep"),
+    ],
+)
 def test_impossible_values_name_their_key(overrides, key):
     with pytest.raises((ConfigError, FileNotFoundError)) as e:
         to_run_config(composed(*overrides))
     assert key in str(e.value), str(e.value)
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["optim.lr=fast"], "lr"),
-    (["train.steps=many"], "steps"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["optim.lr=fast"], "lr"),
+        (["train.steps=many"], "steps"),
+    ],
+)
 def test_wrong_types_name_their_key(overrides, key):
     with pytest.raises((ConfigError, ConfigCompositionException)) as e:
         to_run_config(composed(*overrides))
@@ -112,10 +117,15 @@ def test_overrides_a_stage_replaces_are_pointed_out():
     from ptrain.config.run import shadowed_overrides
     from ptrain.config.train import StageConfig
 
-    run = RunConfig(stages=[StageConfig(name="sft", train={"steps": 150}),
-                            StageConfig(name="dpo", kind="dpo", init="previous", algo={"dpo": {"beta": 0.1}})])
-    notes = shadowed_overrides(run, ["train.steps=2", "algo.dpo.beta=0.5", "optim.lr=1e-3", "model.d_model=64",
-                                     "++train.seq_len=64"])
+    run = RunConfig(
+        stages=[
+            StageConfig(name="sft", train={"steps": 150}),
+            StageConfig(name="dpo", kind="dpo", init="previous", algo={"dpo": {"beta": 0.1}}),
+        ]
+    )
+    notes = shadowed_overrides(
+        run, ["train.steps=2", "algo.dpo.beta=0.5", "optim.lr=1e-3", "model.d_model=64", "++train.seq_len=64"]
+    )
     assert notes == [
         "stage 'sft' sets train.steps=150 itself, which takes precedence over 'train.steps=2'; "
         "pass stages.0.train.steps=... to change it there",

@@ -19,13 +19,19 @@ TABLE = [
     (json.dumps({"text": "no messages"}), R.MISSING_FIELD),
     (json.dumps({"messages": [{"content": "no role"}]}), R.MISSING_FIELD),
     (json.dumps({"prompt": "only a prompt"}), R.MISSING_FIELD),
-    (json.dumps({"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "x"}]}),
-     R.UNKNOWN_ROLE),
-    (json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  "}]}),
-     R.EMPTY_ASSISTANT),
+    (
+        json.dumps({"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "x"}]}),
+        R.UNKNOWN_ROLE,
+    ),
+    (
+        json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  "}]}),
+        R.EMPTY_ASSISTANT,
+    ),
     (json.dumps({"messages": [{"role": "user", "content": "hi"}]}), R.EMPTY_ASSISTANT),
-    (json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]}),
-     R.EMPTY_ASSISTANT),
+    (
+        json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]}),
+        R.EMPTY_ASSISTANT,
+    ),
     (json.dumps({"prompt": "q", "completion": " "}), R.EMPTY_ASSISTANT),
     (json.dumps({"messages": "just a string"}), R.WRONG_TYPE),
     (json.dumps({"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "x"}]}), R.WRONG_TYPE),
@@ -45,8 +51,16 @@ def bad_file(tmp_path):
 
 
 def test_every_kind_is_counted_with_row_numbers(bad_file, tokenizer):
-    rows, rep = tokenize_sft_rows(JsonlSource(bad_file), tokenizer, fmt="auto", seq_len=64, truncate=False,
-                                  bad_rows="skip", max_bad_fraction=1.0, name=bad_file)
+    rows, rep = tokenize_sft_rows(
+        JsonlSource(bad_file),
+        tokenizer,
+        fmt="auto",
+        seq_len=64,
+        truncate=False,
+        bad_rows="skip",
+        max_bad_fraction=1.0,
+        name=bad_file,
+    )
     expected: dict[str, list[int]] = {}
     for i, (_, reason) in enumerate(TABLE):
         if reason:
@@ -72,28 +86,38 @@ def test_fail_names_file_row_and_problem(bad_file, tokenizer):
 
 def test_too_many_bad_rows_fails_even_when_skipping(bad_file, tokenizer):
     with pytest.raises(BadRowError, match="max_bad_fraction"):
-        tokenize_sft_rows(JsonlSource(bad_file), tokenizer, fmt="auto", seq_len=64, truncate=False,
-                          bad_rows="skip", max_bad_fraction=0.5)
+        tokenize_sft_rows(
+            JsonlSource(bad_file),
+            tokenizer,
+            fmt="auto",
+            seq_len=64,
+            truncate=False,
+            bad_rows="skip",
+            max_bad_fraction=0.5,
+        )
 
 
 def test_format_forced_to_chat_rejects_prompt_completion_rows(tokenizer, tmp_path):
     path = tmp_path / "pc.jsonl"
     path.write_text(json.dumps(GOOD) + "\n" + json.dumps(GOOD_PC) + "\n")
-    _, rep = tokenize_sft_rows(JsonlSource(str(path)), tokenizer, fmt="chat", seq_len=64, truncate=True,
-                               max_bad_fraction=1.0)
+    _, rep = tokenize_sft_rows(
+        JsonlSource(str(path)), tokenizer, fmt="chat", seq_len=64, truncate=True, max_bad_fraction=1.0
+    )
     assert rep.rows == {R.MISSING_FIELD: [1]}
 
 
 def test_truncation_on_cuts_and_off_rejects(tokenizer, tmp_path):
     path = tmp_path / "long.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in (GOOD, LONG_ANSWER, LONG)) + "\n")
-    rows, rep = tokenize_sft_rows(JsonlSource(str(path)), tokenizer, fmt="auto", seq_len=32, truncate=True,
-                                  max_bad_fraction=1.0)
+    rows, rep = tokenize_sft_rows(
+        JsonlSource(str(path)), tokenizer, fmt="auto", seq_len=32, truncate=True, max_bad_fraction=1.0
+    )
     # The long answer is cut to 33 tokens (32 next-token pairs); the long prompt leaves no target.
     assert rep.truncated == 1 and rep.rows == {R.NO_TARGET: [2]}
     assert rows.lengths().tolist()[1] == 33
-    rows, rep = tokenize_sft_rows(JsonlSource(str(path)), tokenizer, fmt="auto", seq_len=32, truncate=False,
-                                  max_bad_fraction=1.0)
+    rows, rep = tokenize_sft_rows(
+        JsonlSource(str(path)), tokenizer, fmt="auto", seq_len=32, truncate=False, max_bad_fraction=1.0
+    )
     assert rep.rows == {R.TOO_LONG: [1, 2]} and rep.truncated == 0
 
 
@@ -103,16 +127,24 @@ def test_a_row_the_chat_template_rejects_is_counted_not_fatal(tok_dir, tmp_path)
     from ptrain.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tok_dir)
-    guard = ("{%- for message in messages %}{%- if message['role'] == 'user' and loop.index0 % 2 == 1 %}"
-             "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
-             "{%- endif %}{%- endfor %}")
+    guard = (
+        "{%- for message in messages %}{%- if message['role'] == 'user' and loop.index0 % 2 == 1 %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+        "{%- endif %}{%- endfor %}"
+    )
     tok.chat_template = guard + tok.chat_template
-    two_users = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
-                              {"role": "assistant", "content": "c"}]}
+    two_users = {
+        "messages": [
+            {"role": "user", "content": "a"},
+            {"role": "user", "content": "b"},
+            {"role": "assistant", "content": "c"},
+        ]
+    }
     path = tmp_path / "alt.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in (GOOD, two_users, GOOD, GOOD)) + "\n")
-    rows, rep = tokenize_sft_rows(JsonlSource(str(path)), tok, fmt="auto", seq_len=64, truncate=True,
-                                  max_bad_fraction=0.5)
+    rows, rep = tokenize_sft_rows(
+        JsonlSource(str(path)), tok, fmt="auto", seq_len=64, truncate=True, max_bad_fraction=0.5
+    )
     assert len(rows) == 3 and rep.rows == {R.TEMPLATE_ERROR: [1]}
     assert "roles must alternate" in rep.summary()
     with pytest.raises(BadRowError, match="row 1.*template_error"):
@@ -122,8 +154,9 @@ def test_a_row_the_chat_template_rejects_is_counted_not_fatal(tok_dir, tmp_path)
 def test_report_keeps_only_the_first_rows(tokenizer, tmp_path):
     path = tmp_path / "many.jsonl"
     path.write_text("\n".join(["{bad"] * 30 + [json.dumps(GOOD)] * 30) + "\n")
-    _, rep = tokenize_sft_rows(JsonlSource(str(path)), tokenizer, fmt="auto", seq_len=64, truncate=True,
-                               max_bad_fraction=0.5, report_rows=4)
+    _, rep = tokenize_sft_rows(
+        JsonlSource(str(path)), tokenizer, fmt="auto", seq_len=64, truncate=True, max_bad_fraction=0.5, report_rows=4
+    )
     assert rep.counts == {R.INVALID_JSON: 30} and rep.rows[R.INVALID_JSON] == [0, 1, 2, 3]
     assert "..." in rep.summary()
 
@@ -150,8 +183,9 @@ def test_rl_prompt_iterator_counts_bad_rows_under_the_policy(bad_file, tokenizer
     assert rep.total == len(TABLE) and rep.good + rep.bad == len(TABLE)
     assert rep.rows[R.INVALID_JSON] == [1] and rep.rows[R.UNKNOWN_ROLE] == [5]
     with pytest.raises(BadRowError, match="more than"):
-        make_prompt_iterator(make_cfg(source="jsonl", train_path=bad_file, max_bad_fraction=0.1), tokenizer,
-                             batch_size=2)
+        make_prompt_iterator(
+            make_cfg(source="jsonl", train_path=bad_file, max_bad_fraction=0.1), tokenizer, batch_size=2
+        )
     with pytest.raises(BadRowError, match="row 1 .*invalid_json"):
         make_prompt_iterator(make_cfg(source="jsonl", train_path=bad_file, bad_rows="fail"), tokenizer, batch_size=2)
 
@@ -160,8 +194,9 @@ def test_stats_cli_reports_bad_rows_and_shows_the_trained_part(tmp_path, tok_dir
     from ptrain.data.stats import main
 
     path = tmp_path / "u.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in (GOOD_PC, {"messages": [{"role": "user", "content": "x"}]},
-                                                      GOOD)) + "\n")
+    path.write_text(
+        "\n".join(json.dumps(r) for r in (GOOD_PC, {"messages": [{"role": "user", "content": "x"}]}, GOOD)) + "\n"
+    )
     main(["--train-path", str(path), "--batch-size", "2", "--batches", "2", "--seq-len", "64", "--tokenizer", tok_dir])
     out = capsys.readouterr().out
     assert "2 of 3 rows used" in out and "empty_assistant: 1 (rows [1])" in out

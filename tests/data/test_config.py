@@ -2,6 +2,7 @@
 
 import pytest
 from omegaconf import OmegaConf
+from omegaconf.errors import ValidationError
 
 from ptrain.config.data import DataConfig, DataConfigError, GeneratedTaskConfig, validate_data_config
 
@@ -61,5 +62,5 @@ def test_schema_composes_with_omegaconf():
     merged = OmegaConf.merge(base, {"packing": False, "generated": {"ops": ["*"], "n_train": 50}})
     cfg = OmegaConf.to_object(merged)
     assert cfg.packing is False and cfg.generated.ops == ["*"] and cfg.generated.n_train == 50
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         OmegaConf.merge(base, {"num_workers": "many"})

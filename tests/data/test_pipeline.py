@@ -2,7 +2,8 @@
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ptrain.config.data import GeneratedTaskConfig
 from ptrain.data import (
@@ -41,8 +42,10 @@ def _check_contract(batch, tokenizer):
             # is the example's own next token, never the first token of the next segment.
             np.testing.assert_array_equal(tgt[r, cols[:-1]], inp[r, cols[1:]])
             assert inp[r, cols[0]] == tokenizer.convert_tokens_to_ids("<|im_start|>")
-            assert tgt[r, cols[-1]] in (tokenizer.convert_tokens_to_ids("<|im_end|>"),
-                                        tokenizer.convert_tokens_to_ids("\u010a"))  # the turn's final "\n"
+            assert tgt[r, cols[-1]] in (
+                tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                tokenizer.convert_tokens_to_ids("\u010a"),
+            )  # the turn's final "\n"
         # padding only at the end of a row
         real = np.flatnonzero(seg[r] > 0)
         assert real.size == 0 or real[-1] == real.size - 1
@@ -98,7 +101,7 @@ def test_resume_is_exact_mid_epoch_and_across_epochs(packing, tokenizer, make_cf
         state = it.get_state()
         fresh = make_sft_iterator(cfg, tokenizer, batch_size=B, seq_len=L, seed=7)
         fresh.set_state(state)
-        _assert_same(_collect(fresh, 8), reference[k:k + 8])
+        _assert_same(_collect(fresh, 8), reference[k : k + 8])
         if per_epoch:
             assert fresh.epoch == (k + 7) // per_epoch
 
@@ -137,8 +140,12 @@ def test_eval_pass_is_finite_ordered_complete_and_padded(packing, tokenizer, mak
     for b in batches:
         _check_contract(b, tokenizer)
     examples, rep = sft_examples(cfg, tokenizer, seq_len=L, split="eval")
-    got = sorted(tuple(r[s == k]) for b in batches for r, s in zip(b["input_ids"], b["segment_ids"])
-                 for k in range(1, s.max() + 1))
+    got = sorted(
+        tuple(r[s == k])
+        for b in batches
+        for r, s in zip(b["input_ids"], b["segment_ids"])
+        for k in range(1, s.max() + 1)
+    )
     want = sorted(tuple(examples[i]["tokens"][:-1]) for i in range(len(examples)))
     assert got == want and rep.total == 24
     again = list(make_sft_iterator(cfg, tokenizer, batch_size=B, seq_len=L, split="eval"))
@@ -183,7 +190,7 @@ def test_eval_prompts_carry_answers_and_batch(tokenizer, make_cfg):
     assert last["valid"].tolist() == [True, True, True, True, False] and len(last["prompts"]) == 4
     row = batches[0]["prompt_ids"][0]
     n = batches[0]["prompt_lens"][0]
-    np.testing.assert_array_equal(row[32 - n:], prompts[0].prompt_ids)
+    np.testing.assert_array_equal(row[32 - n :], prompts[0].prompt_ids)
     assert (row[: 32 - n] == tokenizer.pad_token_id).all()
 
 
@@ -256,8 +263,15 @@ def test_resume_on_changed_data_is_refused(tokenizer, make_cfg, tmp_path):
 
     from ptrain.data import DataChangedError, clear_cache
 
-    rows = [{"messages": [{"role": "user", "content": f"What is {i} + 1?"},
-                          {"role": "assistant", "content": f"Answer: {i + 1}"}]} for i in range(12)]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"What is {i} + 1?"},
+                {"role": "assistant", "content": f"Answer: {i + 1}"},
+            ]
+        }
+        for i in range(12)
+    ]
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = make_cfg(source="jsonl", train_path=str(path), packing=False)
@@ -317,12 +331,11 @@ def test_truncated_examples_fill_a_row_exactly(packing, tokenizer, make_cfg, tmp
     assert (batch["segment_ids"] == 1).all()
     np.testing.assert_array_equal(batch["positions"][0], np.arange(seq))
     np.testing.assert_array_equal(batch["input_ids"][0], full[:seq])
-    np.testing.assert_array_equal(batch["target_ids"][0], full[1:seq + 1])
+    np.testing.assert_array_equal(batch["target_ids"][0], full[1 : seq + 1])
 
 
 @settings(max_examples=25, deadline=None)
-@given(lengths=st.lists(st.integers(2, 17), min_size=1, max_size=30), packing=st.booleans(),
-       batch=st.integers(1, 4))
+@given(lengths=st.lists(st.integers(2, 17), min_size=1, max_size=30), packing=st.booleans(), batch=st.integers(1, 4))
 def test_any_lengths_pack_into_whole_examples(lengths, packing, batch):
     """Examples of 2..17 tokens (16 = seq_len + 1 fills a row) come out whole, each once, in one
     eval pass, with targets that never leave their segment."""

@@ -39,7 +39,9 @@ def test_batch_layout_and_masks(tokenizer, make_cfg):
         np.testing.assert_array_equal(batch["chosen_input_ids"][r, :k], batch["rejected_input_ids"][r, :k])
         assert texts["chosen"] != texts["rejected"]
         row = pairs[int(batch["pair_index"][r])]
-        np.testing.assert_array_equal(row["chosen"]["tokens"][:-1][:L], batch["chosen_input_ids"][r, : len(row["chosen"]["tokens"]) - 1])
+        np.testing.assert_array_equal(
+            row["chosen"]["tokens"][:-1][:L], batch["chosen_input_ids"][r, : len(row["chosen"]["tokens"]) - 1]
+        )
 
 
 def test_generated_pairs_chosen_correct_rejected_wrong(tokenizer, make_cfg):
@@ -61,8 +63,10 @@ def test_bad_pairs_are_counted(tokenizer, tmp_path):
         (good, None),
         ({"prompt": "q", "chosen": "same", "rejected": "same"}, R.IDENTICAL_PAIR),
         ({"prompt": "q", "chosen": "", "rejected": "x"}, R.EMPTY_COMPLETION),
-        ({"prompt": "q", "chosen": [{"role": "user", "content": "not an answer"}], "rejected": "x"},
-         R.EMPTY_COMPLETION),
+        (
+            {"prompt": "q", "chosen": [{"role": "user", "content": "not an answer"}], "rejected": "x"},
+            R.EMPTY_COMPLETION,
+        ),
         ({"prompt": "q", "chosen": "a"}, R.MISSING_FIELD),
         ({"chosen": "a", "rejected": "b"}, R.MISSING_FIELD),
         ({"prompt": "q", "chosen": 3, "rejected": "b"}, R.WRONG_TYPE),
@@ -72,8 +76,9 @@ def test_bad_pairs_are_counted(tokenizer, tmp_path):
     ]
     path = tmp_path / "pairs.jsonl"
     path.write_text("\n".join(json.dumps(r) for r, _ in table) + "\n")
-    pairs, rep = tokenize_preference_rows(JsonlSource(str(path)), tokenizer, seq_len=64, truncate=False,
-                                          max_bad_fraction=1.0)
+    pairs, rep = tokenize_preference_rows(
+        JsonlSource(str(path)), tokenizer, seq_len=64, truncate=False, max_bad_fraction=1.0
+    )
     expected: dict[str, list[int]] = {}
     for i, (_, reason) in enumerate(table):
         if reason:
@@ -87,20 +92,26 @@ def test_pair_made_identical_by_truncation_is_counted(tokenizer, tmp_path):
     """Chosen and rejected that differ only past seq_len tokenise to the same truncated
     sequence: no preference is left, so the pair is reported, not trained on."""
     shared = "step " * 40
-    rows = [{"prompt": "q", "chosen": shared + "Answer: 2", "rejected": shared + "Answer: 3"},
-            {"prompt": "What is 1 + 1?", "chosen": "Answer: 2", "rejected": "Answer: 3"}]
+    rows = [
+        {"prompt": "q", "chosen": shared + "Answer: 2", "rejected": shared + "Answer: 3"},
+        {"prompt": "What is 1 + 1?", "chosen": "Answer: 2", "rejected": "Answer: 3"},
+    ]
     path = tmp_path / "pairs.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    pairs, rep = tokenize_preference_rows(JsonlSource(str(path)), tokenizer, seq_len=32, truncate=True,
-                                          max_bad_fraction=1.0)
+    pairs, rep = tokenize_preference_rows(
+        JsonlSource(str(path)), tokenizer, seq_len=32, truncate=True, max_bad_fraction=1.0
+    )
     assert len(pairs) == 1 and rep.rows == {R.IDENTICAL_PAIR: [0]}
     assert "seq_len=32" in rep.summary()
 
 
 def test_resume_is_exact(tokenizer, make_cfg):
     cfg = _pref_cfg(make_cfg)
-    reference = [next(it) for it in [make_preference_iterator(cfg, tokenizer, batch_size=B, seq_len=L, seed=4)]
-                 for _ in range(40)]
+    reference = [
+        next(it)
+        for it in [make_preference_iterator(cfg, tokenizer, batch_size=B, seq_len=L, seed=4)]
+        for _ in range(40)
+    ]
     for k in (0, 7, 30, 31):  # 120 pairs / 4 = 30 batches per epoch
         it = make_preference_iterator(cfg, tokenizer, batch_size=B, seq_len=L, seed=4)
         for _ in range(k):
@@ -119,6 +130,6 @@ def test_one_pass_covers_each_pair_once(tokenizer, make_cfg):
     batches = list(make_preference_pass(cfg, tokenizer, batch_size=7, seq_len=L))
     index = np.concatenate([b["pair_index"] for b in batches])
     assert len(batches) == 18 and index[:120].tolist() == list(range(120)) and (index[120:] == -1).all()
-    assert batches[-1]["chosen_segment_ids"][120 % 7:].sum() == 0
+    assert batches[-1]["chosen_segment_ids"][120 % 7 :].sum() == 0
     ev = list(make_preference_iterator(cfg, tokenizer, batch_size=B, seq_len=L, split="eval"))
     assert sum(int((b["pair_index"] >= 0).sum()) for b in ev) == 24

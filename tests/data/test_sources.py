@@ -10,8 +10,13 @@ import pytest
 from ptrain.data import ArrowSource, JsonlSource, ListSource, ParquetSource, open_source
 from ptrain.data.sources import RowDecodeError
 
-ROWS = [{"messages": [{"role": "user", "content": f"q{i} " + "x" * (i % 37)},
-                      {"role": "assistant", "content": f"a{i}"}], "id": i} for i in range(300)]
+ROWS = [
+    {
+        "messages": [{"role": "user", "content": f"q{i} " + "x" * (i % 37)}, {"role": "assistant", "content": f"a{i}"}],
+        "id": i,
+    }
+    for i in range(300)
+]
 
 
 @pytest.fixture(scope="module")

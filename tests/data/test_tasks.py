@@ -4,7 +4,8 @@ import json
 import random
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ptrain.data import tasks
 from ptrain.data.tasks import Problem, check_answer, extract_answer, worked_solution
@@ -99,8 +100,9 @@ def test_examples_are_short_enough_for_the_tiny_model(tokenizer):
     """Design budget: ~64-128 tokens per 3-digit example, so 5-10M tokens is ~100k examples."""
     from ptrain.data.chat import tokenize_conversation
 
-    train, _ = tasks.generate_records(200, 5, ops=("+", "-", "*"), min_digits=2, max_digits=3,
-                                      seed=random.Random(0).randrange(100))
+    train, _ = tasks.generate_records(
+        200, 5, ops=("+", "-", "*"), min_digits=2, max_digits=3, seed=random.Random(0).randrange(100)
+    )
     lengths = [len(tokenize_conversation(tokenizer, r["messages"])[0]) for r in train]
     assert 40 <= min(lengths) and max(lengths) <= 96, (min(lengths), max(lengths))
 

@@ -5,7 +5,8 @@ import os
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ptrain.data import build_tokenizer, load_tokenizer, tokenize_conversation
 from ptrain.data.chat import prompt_ids
@@ -114,8 +115,10 @@ def test_template_that_rewrites_earlier_turns_is_a_row_problem(tok_dir):
 
     tok = load_tokenizer(tok_dir)
     plain = tok.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
-    tok.chat_template = plain.replace("message['content'] + '<|im_end|>' }}{{- '\\n' }}",
-                                      "(message['content'] if loop.last else '...') + '<|im_end|>' }}{{- '\\n' }}")
+    tok.chat_template = plain.replace(
+        "message['content'] + '<|im_end|>' }}{{- '\\n' }}",
+        "(message['content'] if loop.last else '...') + '<|im_end|>' }}{{- '\\n' }}",
+    )
     assert tok.chat_template != plain
     with pytest.raises(RowProblem) as err:
         tokenize_conversation(tok, CONV)
@@ -138,19 +141,22 @@ def test_saved_files_use_names_transformers_4_understands(tok_dir):
 
 _PIECES = list("ab Z9 0+-=\n\t.é✓") + [" c1", "Answer: ", "  ", "\n\n", "<|im_end|>"]
 _TEXT = st.lists(st.sampled_from(_PIECES), min_size=1, max_size=12).map(
-    lambda p: "".join(p) if "".join(p).strip() else "".join(p) + "x")
+    lambda p: "".join(p) if "".join(p).strip() else "".join(p) + "x"
+)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(turns=st.lists(st.tuples(st.sampled_from(["system", "user", "assistant", "tool"]), _TEXT), min_size=1,
-                      max_size=5), split=st.integers(0, 5))
+@given(
+    turns=st.lists(st.tuples(st.sampled_from(["system", "user", "assistant", "tool"]), _TEXT), min_size=1, max_size=5),
+    split=st.integers(0, 5),
+)
 def test_fast_chatml_path_equals_apply_chat_template(tokenizer, turns, split):
     """The batched Python render of the embedded template gives apply_chat_template's ids and masks."""
     from ptrain.data.chat import tokenize_conversations
 
     messages = [{"role": r, "content": c} for r, c in turns] + [{"role": "assistant", "content": "Answer: 1"}]
     n_prompt = min(split, len(messages) - 1)
-    (ids_fast, mask_fast), = tokenize_conversations(tokenizer, [(messages, n_prompt)])
+    ((ids_fast, mask_fast),) = tokenize_conversations(tokenizer, [(messages, n_prompt)])
     ids, mask = tokenize_conversation(tokenizer, messages, n_prompt)
     np.testing.assert_array_equal(ids_fast, ids)
     np.testing.assert_array_equal(mask_fast, mask)

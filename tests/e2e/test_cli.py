@@ -11,19 +11,34 @@ import time
 import pytest
 
 TINY = [
-    "recipe=sft_arithmetic", "model.d_model=64", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
-    "model.head_dim=32", "model.d_ff=128", "model.max_seq_len=256", "data.generated.n_train=300",
-    "data.generated.n_eval=16", "train.global_batch_size=8", "train.seq_len=64", "train.eval_batches=1",
-    "train.eval_generate=0", "logging.console=false", "logging.tensorboard=false",
+    "recipe=sft_arithmetic",
+    "model.d_model=64",
+    "model.n_layers=1",
+    "model.n_heads=2",
+    "model.n_kv_heads=1",
+    "model.head_dim=32",
+    "model.d_ff=128",
+    "model.max_seq_len=256",
+    "data.generated.n_train=300",
+    "data.generated.n_eval=16",
+    "train.global_batch_size=8",
+    "train.seq_len=64",
+    "train.eval_batches=1",
+    "train.eval_generate=0",
+    "logging.console=false",
+    "logging.tensorboard=false",
 ]
 
 
 def cli(*args, timeout=600, check=True):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    out = subprocess.run([sys.executable, "-m", "ptrain", *args], capture_output=True, text=True, timeout=timeout,
-                         env=env)
+    out = subprocess.run(
+        [sys.executable, "-m", "ptrain", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
     if check and out.returncode != 0:
-        raise AssertionError(f"ptrain {' '.join(args)} failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+        raise AssertionError(
+            f"ptrain {' '.join(args)} failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+        )
     return out
 
 
@@ -71,8 +86,13 @@ def test_run_export_skip_and_kill_resume(tmp_path):
     # kill at an arbitrary point after the first checkpoint, then re-launch the same command
     run_dir = tmp_path / "killed"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "ptrain", *TINY, *steps, f"run_dir={run_dir}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ptrain", *TINY, *steps, f"run_dir={run_dir}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+    )
     metrics = run_dir / "stages" / "sft" / "metrics.jsonl"
     deadline = time.time() + 400
     while time.time() < deadline and proc.poll() is None:
@@ -93,8 +113,16 @@ def test_run_export_skip_and_kill_resume(tmp_path):
 def test_sweep_runs_every_job_in_its_own_folder(tmp_path):
     """Each job gets its folder; a job with a bad value fails alone (the others still run),
     the summary shows its error and the sweep exits non-zero."""
-    out = cli("-m", *TINY, "train.steps=2", "train.eval_every=0", "checkpoint.every_steps=0",
-              f"hydra.sweep.dir={tmp_path}", "optim.lr=1e-3,-1,3e-3", check=False)
+    out = cli(
+        "-m",
+        *TINY,
+        "train.steps=2",
+        "train.eval_every=0",
+        "checkpoint.every_steps=0",
+        f"hydra.sweep.dir={tmp_path}",
+        "optim.lr=1e-3,-1,3e-3",
+        check=False,
+    )
     assert "Sweep summary (3 jobs" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
     assert out.returncode == 1 and "1 of 3 sweep jobs failed" in out.stderr
     assert re.search(r"optim.lr=-1  ->  \{\"error\": \"ptrain: config error: .*'optim.lr': must be > 0", out.stdout)
@@ -124,11 +152,14 @@ def test_help_lists_groups():
         assert group in out.stdout
 
 
-@pytest.mark.parametrize("override, key", [
-    ("optim.lr=-3", "optim.lr"),
-    ("data.source=jsonl", "data.train_path"),
-    ("stages=[{name: x, kind: rlhf}]", "stages[0].kind"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("optim.lr=-3", "optim.lr"),
+        ("data.source=jsonl", "data.train_path"),
+        ("stages=[{name: x, kind: rlhf}]", "stages[0].kind"),
+    ],
+)
 def test_bad_values_fail_fast_naming_the_key(override, key, tmp_path):
     t0 = time.time()
     out = cli("recipe=sft_arithmetic", override, f"run_dir={tmp_path}", check=False)
@@ -145,12 +176,23 @@ def test_unknown_key_fails_naming_it(tmp_path):
 @pytest.mark.slow
 def test_sft_then_dpo_pipeline_hands_the_export_on(tmp_path):
     tiny = [a for a in TINY if not a.startswith("recipe=")]
-    cli("recipe=sft_dpo_arithmetic", *tiny, "train.steps=3", "train.eval_every=0", "checkpoint.every_steps=0",
-        "algo.dpo.precompute_reference=true", "algo.dpo.policy_pairs=0",  # the data's own (scripted) pairs
-        "stages.0.train.steps=3", "stages.0.train.eval_every=0",
-        "stages.1.data.generated.n_train=64", "++stages.1.data.generated.n_eval=16",
-        "stages.1.train.steps=2", "stages.1.train.global_batch_size=4", "stages.1.train.eval_every=2",
-        f"run_dir={tmp_path}")
+    cli(
+        "recipe=sft_dpo_arithmetic",
+        *tiny,
+        "train.steps=3",
+        "train.eval_every=0",
+        "checkpoint.every_steps=0",
+        "algo.dpo.precompute_reference=true",
+        "algo.dpo.policy_pairs=0",  # the data's own (scripted) pairs
+        "stages.0.train.steps=3",
+        "stages.0.train.eval_every=0",
+        "stages.1.data.generated.n_train=64",
+        "++stages.1.data.generated.n_eval=16",
+        "stages.1.train.steps=2",
+        "stages.1.train.global_batch_size=4",
+        "stages.1.train.eval_every=2",
+        f"run_dir={tmp_path}",
+    )
     sft = json.loads((tmp_path / "stages" / "sft" / "DONE.json").read_text())
     dpo = json.loads((tmp_path / "stages" / "dpo" / "DONE.json").read_text())
     assert sft["steps"] == 3 and dpo["steps"] == 2
@@ -160,8 +202,16 @@ def test_sft_then_dpo_pipeline_hands_the_export_on(tmp_path):
     assert "format: preference" in cfg
     # any Hugging Face folder can start a run: here the DPO export, tokenizer included
     tiny_data = [a for a in tiny if not a.startswith("model.")]
-    out = cli("recipe=sft_arithmetic", *tiny_data, "model=hf", f"model.hf_path={tmp_path / 'stages' / 'dpo' / 'export'}",
-              "train.steps=1", "train.eval_every=0", "checkpoint.every_steps=0", f"run_dir={tmp_path / 'from_hf'}")
+    out = cli(
+        "recipe=sft_arithmetic",
+        *tiny_data,
+        "model=hf",
+        f"model.hf_path={tmp_path / 'stages' / 'dpo' / 'export'}",
+        "train.steps=1",
+        "train.eval_every=0",
+        "checkpoint.every_steps=0",
+        f"run_dir={tmp_path / 'from_hf'}",
+    )
     assert "from " + str(tmp_path / "stages" / "dpo" / "export") in out.stdout
     assert (tmp_path / "from_hf" / "stages" / "sft" / "DONE.json").is_file()
     assert not (tmp_path / "from_hf" / "base_model").exists()
@@ -170,14 +220,26 @@ def test_sft_then_dpo_pipeline_hands_the_export_on(tmp_path):
 @pytest.mark.slow
 def test_dpo_on_policy_pairs_samples_grades_and_trains(tmp_path):
     tiny = [a for a in TINY if not a.startswith("recipe=")]
-    cli("recipe=sft_dpo_arithmetic", *tiny, "train.eval_every=0", "checkpoint.every_steps=0",
-        "stages.0.train.steps=2", "stages.0.train.eval_every=0",
+    cli(
+        "recipe=sft_dpo_arithmetic",
+        *tiny,
+        "train.eval_every=0",
+        "checkpoint.every_steps=0",
+        "stages.0.train.steps=2",
+        "stages.0.train.eval_every=0",
         # sampled at temperature 1: a 2-step model's greedy answer is often empty (no pair)
-        "algo.dpo.policy_pairs=8", "algo.dpo.policy_samples=2", "algo.dpo.policy_temperature=1.0",
-        "algo.dpo.policy_step_level=false", "algo.dpo.policy_max_new_tokens=16",
-        "stages.1.data.generated.n_train=64", "++stages.1.data.generated.n_eval=16",
-        "stages.1.train.steps=2", "stages.1.train.global_batch_size=4", "stages.1.train.eval_every=0",
-        f"run_dir={tmp_path}")
+        "algo.dpo.policy_pairs=8",
+        "algo.dpo.policy_samples=2",
+        "algo.dpo.policy_temperature=1.0",
+        "algo.dpo.policy_step_level=false",
+        "algo.dpo.policy_max_new_tokens=16",
+        "stages.1.data.generated.n_train=64",
+        "++stages.1.data.generated.n_eval=16",
+        "stages.1.train.steps=2",
+        "stages.1.train.global_batch_size=4",
+        "stages.1.train.eval_every=0",
+        f"run_dir={tmp_path}",
+    )
     stage = tmp_path / "stages" / "dpo"
     meta = json.loads((stage / "policy_pairs.json").read_text())
     assert meta["settings"]["prompts"] == 8 and meta["counts"]["prompts"] == 8

@@ -15,7 +15,6 @@ from ptrain.train.objectives import make_sft_objective, sft_denominator
 from ptrain.train.optim import make_optimizer
 from ptrain.train.state import init_train_state, split_model
 from ptrain.train.step import make_train_step
-
 from tests.train.helpers import random_batch, tiny_model
 
 PINNED = {"loss_step1": 4.170588970184326, "grad_norm_step1": 1.2527196407318115, "loss_step2": 4.18217134475708}
@@ -33,4 +32,5 @@ def test_fixed_seed_step_matches_pinned_values():
     print(got)
     for key, want in PINNED.items():
         assert got[key] == pytest.approx(want, rel=2e-4), (
-            f"{key} = {got[key]!r}, pinned {want!r}. See this file's docstring for when re-pinning is legitimate.")
+            f"{key} = {got[key]!r}, pinned {want!r}. See this file's docstring for when re-pinning is legitimate."
+        )

@@ -37,4 +37,5 @@ def test_resolved_recipe_matches_the_pinned_copy(name):
     assert text == pinned, (
         f"the resolved config of recipe '{name}' changed. If the change is intended (a recipe or a default was "
         f"edited on purpose), re-pin with PTRAIN_REPIN=1 python -m pytest tests/golden and commit "
-        f"tests/golden/recipes/{name}.yaml with the change.")
+        f"tests/golden/recipes/{name}.yaml with the change."
+    )

@@ -13,7 +13,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
-
 from ptrain.kernels import moe  # noqa: E402
 from ptrain.kernels.moe import expert_parallel  # noqa: E402
 
@@ -46,27 +45,33 @@ def main():
     for ep in (2, 4, 8):
         mesh = jax.make_mesh((8 // ep, ep), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
         for exchange in ("padded", "ragged_emulated"):
+
             def ffn(*a, mesh=mesh, exchange=exchange):
-                return expert_parallel.moe_ffn_ep(*a, mesh=mesh, expert_axis="expert", implementation="xla",
-                                                  exchange=exchange)
+                return expert_parallel.moe_ffn_ep(
+                    *a, mesh=mesh, expert_axis="expert", implementation="xla", exchange=exchange
+                )
 
             v, g = value_and_grads(ffn)
             np.testing.assert_allclose(float(v), float(base_v), rtol=1e-5, err_msg=f"loss ep={ep} {exchange}")
             for n, a, b in zip(names, g, base_g):
-                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5,
-                                           err_msg=f"grad {n} ep={ep} {exchange}")
+                np.testing.assert_allclose(
+                    np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5, err_msg=f"grad {n} ep={ep} {exchange}"
+                )
             print(f"ok ep={ep} exchange={exchange}")
 
     # The public entry point picks the padded exchange on CPU.
     mesh = jax.make_mesh((8,), ("expert",), axis_types=(AxisType.Auto,))
     y = jax.jit(lambda *a: moe.moe_ffn(*a, mesh=mesh, expert_axis="expert", implementation="xla"))(
-        x, r.expert_ids_Txk, r.weights_Txk, w_gate, w_up, w_down)
+        x, r.expert_ids_Txk, r.weights_Txk, w_gate, w_up, w_down
+    )
     y_ref = moe.reference.moe_ffn(x, r.expert_ids_Txk, r.weights_Txk, w_gate, w_up, w_down)
     np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=2e-5, atol=2e-5)
     print("ok moe_ffn(mesh=...) vs reference")
 
-    for bad, match in (((x[:60], r.expert_ids_Txk[:60], r.weights_Txk[:60], w_gate, w_up, w_down), "tokens"),
-                       ((x, r.expert_ids_Txk, r.weights_Txk, w_gate[:6], w_up[:6], w_down[:6]), "experts")):
+    for bad, match in (
+        ((x[:60], r.expert_ids_Txk[:60], r.weights_Txk[:60], w_gate, w_up, w_down), "tokens"),
+        ((x, r.expert_ids_Txk, r.weights_Txk, w_gate[:6], w_up[:6], w_down[:6]), "experts"),
+    ):
         try:
             moe.moe_ffn(*bad, mesh=mesh, expert_axis="expert")
         except ValueError as e:

@@ -10,7 +10,6 @@ import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from ptrain.kernels import moe
 from ptrain.kernels.moe import reference
 
@@ -29,7 +28,7 @@ CASES = [
 ]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled(impl, dtype, tiling):
     """value_and_grad of a fixed cotangent contraction, jitted once per implementation/dtype."""
 

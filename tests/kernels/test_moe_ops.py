@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from .moe_gmm_checks import CASES, GROUP_SIZES, G, TOL, _operands, check_gmm
-
 from ptrain.kernels import moe
 from ptrain.kernels.moe import reference
+
+from .moe_gmm_checks import CASES, GROUP_SIZES, TOL, G, _operands, check_gmm
 
 # "xla" and "ragged_dot" here; the Pallas kernels have their own module (interpret mode).
 IMPLS = ["xla", "ragged_dot"]
@@ -156,14 +156,16 @@ def test_xla_path_large_groups_use_three_tile_sizes():
     def f(fn, lhs, rhs):
         return jnp.sum(fn(lhs, rhs, gs) * cot)
 
-    got = jax.jit(jax.grad(functools.partial(f, functools.partial(moe.grouped_matmul, implementation="xla")),
-                           argnums=(0, 1)))(lhs, rhs)
+    got = jax.jit(
+        jax.grad(functools.partial(f, functools.partial(moe.grouped_matmul, implementation="xla")), argnums=(0, 1))
+    )(lhs, rhs)
     want = jax.grad(functools.partial(f, reference.grouped_matmul), argnums=(0, 1))(lhs, rhs)
     for a, b in zip(got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-4)
     out = moe.grouped_matmul(lhs, rhs, gs, implementation="xla")
-    np.testing.assert_allclose(np.asarray(out), np.asarray(reference.grouped_matmul(lhs, rhs, gs)), rtol=2e-5,
-                               atol=2e-5)
+    np.testing.assert_allclose(
+        np.asarray(out), np.asarray(reference.grouped_matmul(lhs, rhs, gs)), rtol=2e-5, atol=2e-5
+    )
     assert not np.any(np.asarray(out)[2087:])
 
 

@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from .moe_gmm_checks import CASES, GROUP_SIZES, _operands, check_gmm
-
 from ptrain.kernels import moe
 from ptrain.kernels.moe import pallas_gpu, pallas_tpu, reference
+
+from .moe_gmm_checks import CASES, GROUP_SIZES, _operands, check_gmm
 
 # Small tiles so that the 40x32x24 problem spans several row, k and n tiles (few grid steps).
 TILINGS = {"pallas_tpu_interpret": (8, 16, 24), "pallas_gpu_interpret": (16, 16, 16)}
@@ -77,14 +77,20 @@ def test_moe_ffn_with_pallas_kernels(impl):
     ks = jax.random.split(jax.random.PRNGKey(3), 5)
     x = jax.random.normal(ks[0], (T, D))
     r = moe.route(jax.random.normal(ks[1], (T, E)), top_k=k)
-    ws = (jax.random.normal(ks[2], (E, D, F)) / 4, jax.random.normal(ks[3], (E, D, F)) / 4,
-          jax.random.normal(ks[4], (E, F, D)) / 4)
+    ws = (
+        jax.random.normal(ks[2], (E, D, F)) / 4,
+        jax.random.normal(ks[3], (E, D, F)) / 4,
+        jax.random.normal(ks[4], (E, F, D)) / 4,
+    )
 
     def loss(fn, x, *w):
         return jnp.sum(fn(x, r.expert_ids_Txk, r.weights_Txk, *w) ** 2)
 
-    got = jax.jit(jax.value_and_grad(
-        lambda *a: loss(functools.partial(moe.moe_ffn, implementation=impl), *a), argnums=(0, 1, 2, 3)))(x, *ws)
+    got = jax.jit(
+        jax.value_and_grad(
+            lambda *a: loss(functools.partial(moe.moe_ffn, implementation=impl), *a), argnums=(0, 1, 2, 3)
+        )
+    )(x, *ws)
     want = jax.value_and_grad(lambda *a: loss(reference.moe_ffn, *a), argnums=(0, 1, 2, 3))(x, *ws)
     np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5)
     for a, b in zip(got[1], want[1]):
@@ -103,8 +109,10 @@ def test_tpu_kernels_have_no_races(capfd):
     gs = jnp.asarray(CASES[1], jnp.int32)
     out = pallas_tpu.gmm(lhs, rhs, gs, tiling=(8, 8, 8), interpret=params)
     drhs = pallas_tpu.tgmm(lhs, cot, gs, tiling=(8, 8, 8), interpret=params)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(reference.grouped_matmul(lhs, rhs, gs)), rtol=1e-5,
-                               atol=1e-5)
-    np.testing.assert_allclose(np.asarray(drhs), np.asarray(reference.transposed_grouped_matmul(lhs, cot, gs)),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(out), np.asarray(reference.grouped_matmul(lhs, rhs, gs)), rtol=1e-5, atol=1e-5
+    )
+    np.testing.assert_allclose(
+        np.asarray(drhs), np.asarray(reference.transposed_grouped_matmul(lhs, cot, gs)), rtol=1e-5, atol=1e-5
+    )
     assert "RACE DETECTED" not in capfd.readouterr().out

@@ -4,7 +4,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from ptrain.kernels import moe
 
 torch = pytest.importorskip("torch")
@@ -23,8 +22,14 @@ def test_matches_qwen3_moe_block():
     w_gate, w_up = (rng.normal(size=(E, D, F)).astype(np.float32) / np.sqrt(D) for _ in range(2))
     w_down = rng.normal(size=(E, F, D)).astype(np.float32) / np.sqrt(F)
 
-    cfg = Qwen3MoeConfig(hidden_size=D, moe_intermediate_size=F, num_experts=E, num_experts_per_tok=K,
-                         norm_topk_prob=True, hidden_act="silu")
+    cfg = Qwen3MoeConfig(
+        hidden_size=D,
+        moe_intermediate_size=F,
+        num_experts=E,
+        num_experts_per_tok=K,
+        norm_topk_prob=True,
+        hidden_act="silu",
+    )
     block = qwen3.Qwen3MoeSparseMoeBlock(cfg)
     with torch.no_grad():
         block.gate.weight.copy_(torch.from_numpy(w_router.T.copy()))
@@ -40,8 +45,7 @@ def test_matches_qwen3_moe_block():
         y = moe.moe_ffn(x, r.expert_ids_Txk, r.weights_Txk, w_gate, w_up, w_down, implementation="xla")
         return jnp.sum(y * cot), y
 
-    (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(
-        x, w_router, w_gate, w_up, w_down)
+    (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(x, w_router, w_gate, w_up, w_down)
     np.testing.assert_allclose(np.asarray(y), yt.detach().numpy().reshape(T, D), rtol=1e-4, atol=1e-5)
     g_gate_up = block.experts.gate_up_proj.grad.numpy().transpose(0, 2, 1)
     expected = {

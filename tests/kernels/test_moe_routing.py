@@ -4,7 +4,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from ptrain.kernels.moe import route, update_router_bias
 
 T, E = 24, 8

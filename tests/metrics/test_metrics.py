@@ -13,8 +13,9 @@ def _records(stage_dir):
 
 
 def _first_run(stage_dir, steps):
-    log = MetricsLogger(LoggingConfig(console=False, tensorboard=False), str(stage_dir), total_steps=9, start_step=0,
-                        name="t")
+    log = MetricsLogger(
+        LoggingConfig(console=False, tensorboard=False), str(stage_dir), total_steps=9, start_step=0, name="t"
+    )
     log.log(0, {"rows": 3.0}, prefix="data")
     for s in steps:
         log.log(s, {"loss": float(s)})
@@ -27,8 +28,9 @@ def test_resume_drops_lost_steps_and_a_restart_drops_everything(tmp_path, start,
     """Resuming at step 2 keeps steps <= 2; a stage that starts over (killed before its first
     checkpoint) logs its step-0 records again, so none of the old ones stay."""
     _first_run(tmp_path, [1, 2, 3])
-    log = MetricsLogger(LoggingConfig(console=False, tensorboard=False), str(tmp_path), total_steps=9,
-                        start_step=start, name="t")
+    log = MetricsLogger(
+        LoggingConfig(console=False, tensorboard=False), str(tmp_path), total_steps=9, start_step=start, name="t"
+    )
     log.close()
     assert [r["step"] for r in _records(tmp_path)] == kept
 

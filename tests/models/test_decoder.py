@@ -11,8 +11,17 @@ from flax import nnx
 from ptrain.config.model import ModelConfig
 from ptrain.models import Decoder, count_params, flops_per_token, load_hf, save_hf
 
-TINY = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48,
-                   max_seq_len=64, tie_embeddings=False)
+TINY = ModelConfig(
+    vocab_size=64,
+    d_model=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    d_ff=48,
+    max_seq_len=64,
+    tie_embeddings=False,
+)
 LOGICAL = {"vocab", "embed", "mlp", "heads", "kv_heads", "head_dim", "expert", None}
 
 
@@ -112,8 +121,9 @@ def test_scan_and_remat_match_the_layer_loop(model, tmp_path):
 
     g_loop, g_scan = grads(model), grads(scanned)
     np.testing.assert_allclose(g_loop["embed"][...], g_scan["embed"][...], atol=1e-6)
-    np.testing.assert_allclose(g_loop["dense_blocks"][1]["mlp"]["up"][...],
-                               g_scan["dense_blocks"]["mlp"]["up"][...][1], atol=1e-6)
+    np.testing.assert_allclose(
+        g_loop["dense_blocks"][1]["mlp"]["up"][...], g_scan["dense_blocks"]["mlp"]["up"][...][1], atol=1e-6
+    )
 
 
 def test_flops_per_token_counts_matmuls_and_attention():
@@ -161,8 +171,9 @@ def test_blocked_causal_attention_equals_the_full_masked_softmax(window):
 
     # bfloat16 compute: the same gradients within bfloat16 resolution, in bfloat16.
     bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
-    got16 = jax.jit(lambda q, k, v: jax.vjp(lambda *a: causal_attend(*a, mask, window), q, k, v)[1](
-        dout.astype(jnp.bfloat16)))(*bf)
+    got16 = jax.jit(
+        lambda q, k, v: jax.vjp(lambda *a: causal_attend(*a, mask, window), q, k, v)[1](dout.astype(jnp.bfloat16))
+    )(*bf)
     for name, g, w in zip("qkv", got16, want):
         assert g.dtype == jnp.bfloat16, name
         np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=5e-2, rtol=5e-2, err_msg=f"bf16 d{name}")
@@ -189,5 +200,6 @@ def test_swiglu_backward_matches_autodiff(dtype, tol):
 
     for name, got, want in zip(["y", "dx", "dw_gate", "dw_up", "dw_down"], grads(swiglu), grads(plain)):
         assert got.dtype == want.dtype and got.shape == want.shape, name
-        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol,
-                                   err_msg=name)
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol, err_msg=name
+        )

@@ -10,8 +10,7 @@ from ptrain.config.model import ModelConfig
 from ptrain.models import Decoder, generate, init_cache
 from ptrain.models.generate import _decode_mask, filter_logits, left_pad
 
-CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48,
-                  max_seq_len=64)
+CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48, max_seq_len=64)
 PROMPTS = [[5, 9, 11], [7, 3, 2, 8, 1, 4, 6]]
 
 
@@ -31,8 +30,8 @@ def _forward(model, ids):
         f = jax.jit(lambda st, x: nnx.merge(graphdef, st)(x))
         _FWD[id(model)] = lambda x: f(state, x)
     padded = np.zeros((1, 16), np.int32)
-    padded[0, :len(ids)] = ids
-    return _FWD[id(model)](jnp.asarray(padded))[0, :len(ids)]
+    padded[0, : len(ids)] = ids
+    return _FWD[id(model)](jnp.asarray(padded))[0, : len(ids)]
 
 
 def test_prefill_and_decode_logits_equal_the_full_forward(model):
@@ -53,8 +52,13 @@ def test_prefill_and_decode_logits_equal_the_full_forward(model):
         outs = [logits]
         for t in range(3):
             slot = jnp.int32(P + t)
-            lg, caches = m.decode_step(jnp.asarray(nxt[:, t:t + 1]), (slot - pads)[:, None],
-                                       _decode_mask(pads, slot[None], S, None), caches, slot)
+            lg, caches = m.decode_step(
+                jnp.asarray(nxt[:, t : t + 1]),
+                (slot - pads)[:, None],
+                _decode_mask(pads, slot[None], S, None),
+                caches,
+                slot,
+            )
             outs.append(lg)
         return outs
 
@@ -63,7 +67,7 @@ def test_prefill_and_decode_logits_equal_the_full_forward(model):
         seq = prompt + nxt[b].tolist()
         ref = _forward(model, seq)
         n = len(prompt)
-        np.testing.assert_allclose(outs[0][b, P - n:], ref[:n], atol=2e-5)
+        np.testing.assert_allclose(outs[0][b, P - n :], ref[:n], atol=2e-5)
         for t in range(3):
             np.testing.assert_allclose(outs[1 + t][b, 0], ref[n + t], atol=2e-5)
 
@@ -74,9 +78,9 @@ def test_greedy_matches_step_by_step_argmax_and_stops(model):
         seq = list(prompt)
         for _ in range(6):
             seq.append(int(np.argmax(_forward(model, seq)[-1])))
-        assert out.tokens_BxN[b].tolist() == seq[len(prompt):]
-        ref_lp = jax.nn.log_softmax(_forward(model, seq)[len(prompt) - 1:-1], axis=-1)
-        np.testing.assert_allclose(out.logprobs_BxN[b], ref_lp[np.arange(6), seq[len(prompt):]], atol=1e-4)
+        assert out.tokens_BxN[b].tolist() == seq[len(prompt) :]
+        ref_lp = jax.nn.log_softmax(_forward(model, seq)[len(prompt) - 1 : -1], axis=-1)
+        np.testing.assert_allclose(out.logprobs_BxN[b], ref_lp[np.arange(6), seq[len(prompt) :]], atol=1e-4)
     assert out.finish_reasons == ["length", "length"] and out.lengths_B.tolist() == [6, 6]
     stop = int(out.tokens_BxN[0, 2])
     n = out.tokens_BxN[0].tolist().index(stop) + 1  # the first occurrence ends the row
@@ -90,7 +94,7 @@ def test_sampled_logprobs_follow_the_filtered_distribution(model):
     out = generate(model, PROMPTS, max_new_tokens=6, temperature=0.7, top_k=5, top_p=0.9, rng=jax.random.key(3))
     for b, prompt in enumerate(PROMPTS):
         seq = prompt + out.tokens_BxN[b].tolist()
-        logits = _forward(model, seq)[len(prompt) - 1:-1]
+        logits = _forward(model, seq)[len(prompt) - 1 : -1]
         filt = jax.jit(filter_logits)(logits, jnp.float32(0.7), jnp.int32(5), jnp.float32(0.9))
         lp = jax.nn.log_softmax(filt, axis=-1)[np.arange(6), out.tokens_BxN[b]]
         np.testing.assert_allclose(out.logprobs_BxN[b], lp, atol=1e-4)

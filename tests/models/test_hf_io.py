@@ -17,9 +17,20 @@ from ptrain.config.model import ModelConfig
 from ptrain.models import Decoder, config_from_hf, config_to_hf, load_hf, save_hf
 from ptrain.models.safetensors_io import SafetensorsFile, save_file
 
-CFG = ModelConfig(family="qwen2", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
-                  d_ff=48, qk_norm=False, qkv_bias=True, tie_embeddings=False,
-                  rope_scaling={"rope_type": "linear", "factor": 2.0})
+CFG = ModelConfig(
+    family="qwen2",
+    vocab_size=64,
+    d_model=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    d_ff=48,
+    qk_norm=False,
+    qkv_bias=True,
+    tie_embeddings=False,
+    rope_scaling={"rope_type": "linear", "factor": 2.0},
+)
 
 
 @pytest.fixture(scope="module")
@@ -78,20 +89,35 @@ def _copy_with(path, dst, edit_tensors=None, edit_config=None):
     return dst
 
 
-@pytest.mark.parametrize("edit_tensors,edit_config,match", [
-    (lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"), None,
-     r"model\.layers\.1\.self_attn\.k_proj\.weight \[16, 32\]"),
-    (lambda t: t.update({"model.norm.weight": np.zeros((31,), np.float32)}), None,
-     r"'model\.norm\.weight': shape \[31\] in the checkpoint, expected \[32\]"),
-    (lambda t: t.update({"model.norm.weight": np.zeros((32,), np.int32)}), None, r"model\.norm\.weight.*dtype I32"),
-    (lambda t: t.update({"model.layers.0.self_attn.o_proj.bias": np.zeros((32,), np.float32)}), None,
-     r"does not explain.*o_proj\.bias"),
-    (None, lambda c: c.update(model_type="gpt2"), r"model_type 'gpt2' is not supported"),
-    (None, lambda c: c.update(model_type="deepseek_v3"), r"multi-head latent attention"),
-    (None, lambda c: c.update(hidden_act="gelu"), r"hidden_act 'gelu'"),
-    (None, lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 4.0}, rope_parameters=None),
-     r"rope scaling type 'yarn'"),
-])
+@pytest.mark.parametrize(
+    "edit_tensors,edit_config,match",
+    [
+        (
+            lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"),
+            None,
+            r"model\.layers\.1\.self_attn\.k_proj\.weight \[16, 32\]",
+        ),
+        (
+            lambda t: t.update({"model.norm.weight": np.zeros((31,), np.float32)}),
+            None,
+            r"'model\.norm\.weight': shape \[31\] in the checkpoint, expected \[32\]",
+        ),
+        (lambda t: t.update({"model.norm.weight": np.zeros((32,), np.int32)}), None, r"model\.norm\.weight.*dtype I32"),
+        (
+            lambda t: t.update({"model.layers.0.self_attn.o_proj.bias": np.zeros((32,), np.float32)}),
+            None,
+            r"does not explain.*o_proj\.bias",
+        ),
+        (None, lambda c: c.update(model_type="gpt2"), r"model_type 'gpt2' is not supported"),
+        (None, lambda c: c.update(model_type="deepseek_v3"), r"multi-head latent attention"),
+        (None, lambda c: c.update(hidden_act="gelu"), r"hidden_act 'gelu'"),
+        (
+            None,
+            lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 4.0}, rope_parameters=None),
+            r"rope scaling type 'yarn'",
+        ),
+    ],
+)
 def test_bad_checkpoints_fail_naming_the_problem(folder, tmp_path, edit_tensors, edit_config, match):
     path, _ = folder
     bad = _copy_with(path, str(tmp_path / "bad"), edit_tensors, edit_config)
@@ -99,18 +125,24 @@ def test_bad_checkpoints_fail_naming_the_problem(folder, tmp_path, edit_tensors,
         load_hf(bad)
 
 
-@pytest.mark.parametrize("damage, match", [
-    ("truncate", r"tensor .* needs bytes .* the file is truncated"),
-    ("header", r"safetensors header is not valid JSON"),
-    ("config", r"config.json is not valid JSON"),
-    ("no_hidden_size", r"lacks hidden_size"),
-])
+@pytest.mark.parametrize(
+    "damage, match",
+    [
+        ("truncate", r"tensor .* needs bytes .* the file is truncated"),
+        ("header", r"safetensors header is not valid JSON"),
+        ("config", r"config.json is not valid JSON"),
+        ("no_hidden_size", r"lacks hidden_size"),
+    ],
+)
 def test_damaged_files_fail_naming_file_and_cause(folder, tmp_path, damage, match):
     """A cut-off download, a garbled header or config, a config without its sizes: each names
     the file (and the tensor) instead of failing later as a reshape or decode error."""
     path, _ = folder
-    bad = _copy_with(path, str(tmp_path / "bad"),
-                     edit_config=(lambda c: c.pop("hidden_size")) if damage == "no_hidden_size" else None)
+    bad = _copy_with(
+        path,
+        str(tmp_path / "bad"),
+        edit_config=(lambda c: c.pop("hidden_size")) if damage == "no_hidden_size" else None,
+    )
     weights = os.path.join(bad, "model.safetensors")
     if damage == "truncate":
         with open(weights, "r+b") as f:

@@ -27,20 +27,50 @@ from ptrain.models.hf import _flat_state, _to_hf, tensor_map  # noqa: E402
 pytestmark = pytest.mark.parity
 torch.set_num_threads(2)
 
-COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False)
+COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+)
 MOE = dict(moe_intermediate_size=32, num_experts_per_tok=2)
 FAMILIES = {
-    "llama": ("LlamaConfig", dict(rope_parameters=dict(
-        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-        original_max_position_embeddings=16))),
+    "llama": (
+        "LlamaConfig",
+        dict(
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=16,
+            )
+        ),
+    ),
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", dict(tie_word_embeddings=True)),
     "mistral": ("MistralConfig", dict(sliding_window=4)),
     "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=8, norm_topk_prob=False, **MOE)),
     "mixtral": ("MixtralConfig", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32)),
-    "dots1": ("Dots1Config", dict(n_routed_experts=8, n_shared_experts=1, n_group=4, topk_group=2,
-                                  first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5, **MOE)),
+    "dots1": (
+        "Dots1Config",
+        dict(
+            n_routed_experts=8,
+            n_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            **MOE,
+        ),
+    ),
 }
 B, L = 3, 10
 LENGTHS = [10, 7, 4]

@@ -11,9 +11,27 @@ from ptrain.models import Decoder, RouterBias, update_router_bias
 
 # ragged_dot: at these tiny shapes it compiles several times faster than the tiled "xla"
 # path (the MoE parity tests run the default implementation).
-CFG = dict(family="dots1", vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48,
-           n_experts=8, top_k=2, d_ff_expert=16, n_shared_experts=1, router="sigmoid", n_groups=4, topk_groups=2,
-           first_k_dense=1, routed_scaling_factor=2.5, tie_embeddings=False, moe_implementation="ragged_dot")
+CFG = dict(
+    family="dots1",
+    vocab_size=64,
+    d_model=32,
+    n_layers=3,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    d_ff=48,
+    n_experts=8,
+    top_k=2,
+    d_ff_expert=16,
+    n_shared_experts=1,
+    router="sigmoid",
+    n_groups=4,
+    topk_groups=2,
+    first_k_dense=1,
+    routed_scaling_factor=2.5,
+    tie_embeddings=False,
+    moe_implementation="ragged_dot",
+)
 
 
 @pytest.mark.parametrize("scan", [False, True])
@@ -41,8 +59,20 @@ def test_router_aux_and_bias_update(scan):
 
 
 def test_dense_model_has_empty_aux_and_no_router_bias():
-    cfg = {k: v for k, v in CFG.items() if k not in ("n_experts", "router", "n_shared_experts", "n_groups",
-                                                     "topk_groups", "first_k_dense", "routed_scaling_factor")}
+    cfg = {
+        k: v
+        for k, v in CFG.items()
+        if k
+        not in (
+            "n_experts",
+            "router",
+            "n_shared_experts",
+            "n_groups",
+            "topk_groups",
+            "first_k_dense",
+            "routed_scaling_factor",
+        )
+    }
     model = Decoder(ModelConfig(**{**cfg, "family": "qwen3"}), rngs=nnx.Rngs(0))
     _, _, rest = nnx.split(model, nnx.Param, ...)
     assert update_router_bias(rest, jnp.zeros((0, 0)), 0.01) is rest

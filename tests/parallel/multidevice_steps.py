@@ -29,14 +29,20 @@ def losses_on(mesh_cfg: MeshConfig, devices, grad_accum: int):
     tx, lr = make_optimizer(OptimConfig(lr=1e-2, schedule="constant"), 10)
     placed = place_state(run, tiny_model(), tx, mesh)
     cfg = SFTAlgoConfig()
-    step = jit_step(make_train_step(make_sft_objective(placed.model_def, cfg), sft_denominator(cfg, 1.0), tx, lr,
-                                    grad_accum=grad_accum), placed)
+    step = jit_step(
+        make_train_step(
+            make_sft_objective(placed.model_def, cfg), sft_denominator(cfg, 1.0), tx, lr, grad_accum=grad_accum
+        ),
+        placed,
+    )
     state, out = placed.state, []
     for i in range(3):
         state, m = step(state, random_batch(seed=i))
         out.append(float(m["loss"]))
-    specs = {"/".join(str(getattr(k, "key", k)) for k in p): str(v.sharding.spec)
-             for p, v in jax.tree_util.tree_flatten_with_path(state.params)[0]}
+    specs = {
+        "/".join(str(getattr(k, "key", k)) for k in p): str(v.sharding.spec)
+        for p, v in jax.tree_util.tree_flatten_with_path(state.params)[0]
+    }
     return out, specs
 
 

@@ -16,8 +16,13 @@ HERE = os.path.dirname(__file__)
 @pytest.mark.multidevice
 def test_eight_host_devices_match_one_device():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, os.path.join(HERE, "multidevice_steps.py")], env=env,
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, os.path.join(HERE, "multidevice_steps.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     np.testing.assert_allclose(got["one_device"], got["data2_fsdp2_tensor2"], rtol=2e-5)

@@ -8,8 +8,15 @@ import sys
 import numpy as np
 import pytest
 
-from ptrain.runtime import (CPU_FLAGS, MALLOC_TUNABLE, RETAIN_TUNABLES, TUNED_JAXLIB, malloc_tuning_env,
-                            reexec_with_malloc_tuning, tune_xla_cpu)
+from ptrain.runtime import (
+    CPU_FLAGS,
+    MALLOC_TUNABLE,
+    RETAIN_TUNABLES,
+    TUNED_JAXLIB,
+    malloc_tuning_env,
+    reexec_with_malloc_tuning,
+    tune_xla_cpu,
+)
 
 TESTED = TUNED_JAXLIB[0]
 
@@ -21,15 +28,18 @@ def test_flags_are_appended_to_what_the_user_set():
     assert tune_xla_cpu(env, TESTED) == []  # idempotent: a second call adds nothing
 
 
-@pytest.mark.parametrize("env, version, model", [
-    ({"PTRAIN_XLA_CPU_TUNING": "0"}, TESTED, {}),                                 # turned off
-    ({"XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type=dot"}, TESTED, {}),    # the user chose
-    ({}, (0, 10, 1), {}),                                                         # older jaxlib
-    ({}, TUNED_JAXLIB[1], {}),                                                    # newer jaxlib
-    ({}, (), {}),                                                                 # no jaxlib
-    ({}, TESTED, {"moe": True}),                                # slows the grouped matmuls
-    ({}, TESTED, {"compute_dtype": "bfloat16"}),                # slows bf16 dots
-])
+@pytest.mark.parametrize(
+    "env, version, model",
+    [
+        ({"PTRAIN_XLA_CPU_TUNING": "0"}, TESTED, {}),  # turned off
+        ({"XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type=dot"}, TESTED, {}),  # the user chose
+        ({}, (0, 10, 1), {}),  # older jaxlib
+        ({}, TUNED_JAXLIB[1], {}),  # newer jaxlib
+        ({}, (), {}),  # no jaxlib
+        ({}, TESTED, {"moe": True}),  # slows the grouped matmuls
+        ({}, TESTED, {"compute_dtype": "bfloat16"}),  # slows bf16 dots
+    ],
+)
 def test_flags_are_left_out(env, version, model):
     before = dict(env)
     assert tune_xla_cpu(env, version, **model) == []
@@ -65,28 +75,34 @@ def test_malloc_tunable_is_added_to_what_the_user_set():
     assert malloc_tuning_env({}, **LINUX) == {"GLIBC_TUNABLES": MALLOC_TUNABLE}
 
 
-@pytest.mark.parametrize("env, overrides", [
-    ({"PTRAIN_MALLOC_TUNING": "0"}, {}),                              # turned off
-    ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, {}),               # the user chose
-    ({"GLIBC_TUNABLES": MALLOC_TUNABLE}, {}),                         # already restarted
-    ({}, {"system": "darwin"}),                                       # not Linux
-    ({}, {"glibc_version": ()}),                                      # musl or unknown libc
-    ({}, {"glibc_version": (2, 34)}),                                 # tunable not known yet
-    ({}, {"thp_mode": "always"}),                                     # huge pages already
-    ({}, {"thp_mode": "never"}),                                      # no huge pages at all
-    ({}, {"thp_mode": ""}),                                           # no THP in this kernel
-])
+@pytest.mark.parametrize(
+    "env, overrides",
+    [
+        ({"PTRAIN_MALLOC_TUNING": "0"}, {}),  # turned off
+        ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, {}),  # the user chose
+        ({"GLIBC_TUNABLES": MALLOC_TUNABLE}, {}),  # already restarted
+        ({}, {"system": "darwin"}),  # not Linux
+        ({}, {"glibc_version": ()}),  # musl or unknown libc
+        ({}, {"glibc_version": (2, 34)}),  # tunable not known yet
+        ({}, {"thp_mode": "always"}),  # huge pages already
+        ({}, {"thp_mode": "never"}),  # no huge pages at all
+        ({}, {"thp_mode": ""}),  # no THP in this kernel
+    ],
+)
 def test_malloc_tunable_is_left_out(env, overrides):
     assert malloc_tuning_env(env, **{**LINUX, **overrides}) is None
 
 
-@pytest.mark.parametrize("env, overrides, added", [
-    ({}, {}, [MALLOC_TUNABLE, *RETAIN_TUNABLES]),
-    # the user's arena count is kept
-    ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, {}, [MALLOC_TUNABLE, *RETAIN_TUNABLES[1:]]),
-    ({}, {"thp_mode": "always"}, list(RETAIN_TUNABLES)),        # huge pages already: only the retaining part
-    ({}, {"glibc_version": (2, 31)}, list(RETAIN_TUNABLES)),    # no hugetlb tunable before 2.35
-])
+@pytest.mark.parametrize(
+    "env, overrides, added",
+    [
+        ({}, {}, [MALLOC_TUNABLE, *RETAIN_TUNABLES]),
+        # the user's arena count is kept
+        ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, {}, [MALLOC_TUNABLE, *RETAIN_TUNABLES[1:]]),
+        ({}, {"thp_mode": "always"}, list(RETAIN_TUNABLES)),  # huge pages already: only the retaining part
+        ({}, {"glibc_version": (2, 31)}, list(RETAIN_TUNABLES)),  # no hugetlb tunable before 2.35
+    ],
+)
 def test_retain_mode_adds_the_missing_tunables(env, overrides, added):
     env = {**env, "PTRAIN_MALLOC_TUNING": "retain"}
     out = malloc_tuning_env(env, **{**LINUX, **overrides})
@@ -119,8 +135,7 @@ def test_restart_keeps_the_command_line_and_happens_once(tmp_path):
         "print('args', sys.argv[1:], os.environ.get('GLIBC_TUNABLES', ''))\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "PTRAIN_MALLOC_TUNING")}
-    out = subprocess.run([sys.executable, str(script), "a", "b=1"], env=env, capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run([sys.executable, str(script), "a", "b=1"], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     expected = malloc_tuning_env(env)

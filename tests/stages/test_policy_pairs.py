@@ -11,9 +11,11 @@ from ptrain.stages.policy_pairs import build_pairs, policy_pairs_data
 
 
 def row(question="12 + 30 = ?", answer="42"):
-    return {"prompt": [{"role": "user", "content": question}],
-            "chosen": [{"role": "assistant", "content": f"worked ... Answer: {answer}"}],
-            "rejected": [{"role": "assistant", "content": "worked ... Answer: 41"}]}
+    return {
+        "prompt": [{"role": "user", "content": question}],
+        "chosen": [{"role": "assistant", "content": f"worked ... Answer: {answer}"}],
+        "rejected": [{"role": "assistant", "content": "worked ... Answer: 41"}],
+    }
 
 
 TASK = {"kind": "arithmetic", "answer": "42"}
@@ -23,10 +25,18 @@ def test_correct_and_incorrect_samples_are_zipped_into_pairs():
     samples = [("so Answer: 42", True), ("so Answer: 40", True), ("so Answer: 42", True), ("so Answer: 43", True)]
     pairs, counts = build_pairs([row()], [TASK], [samples])
     assert [(p["chosen"][0]["content"], p["rejected"][0]["content"]) for p in pairs] == [
-        ("so Answer: 42", "so Answer: 40"), ("so Answer: 42", "so Answer: 43")]
+        ("so Answer: 42", "so Answer: 40"),
+        ("so Answer: 42", "so Answer: 43"),
+    ]
     assert pairs[0]["prompt"] == row()["prompt"] and pairs[0]["task"] == TASK
-    assert counts == {"prompts": 1, "pairs_from_samples": 2, "pairs_with_data_chosen": 0, "prompts_all_correct": 0,
-                      "pairs": 2, "sample_accuracy": 0.5}
+    assert counts == {
+        "prompts": 1,
+        "pairs_from_samples": 2,
+        "pairs_with_data_chosen": 0,
+        "prompts_all_correct": 0,
+        "pairs": 2,
+        "sample_accuracy": 0.5,
+    }
 
 
 def test_a_prompt_never_answered_right_pairs_the_data_answer_with_a_wrong_sample():

@@ -1,10 +1,10 @@
 """Command-line tools run on tiny inputs."""
 
 import json
-
-import pytest
 import subprocess
 import sys
+
+import pytest
 
 from tools import plot_run
 
@@ -27,40 +27,161 @@ def test_plot_run_says_what_to_pass_when_there_is_nothing(tmp_path, capsys):
 
 
 def test_bench_train_runs_on_a_tiny_shape():
-    out = subprocess.run([sys.executable, "tools/bench_train.py", "--layers", "1", "--d-model", "64", "--heads", "2",
-                          "--kv-heads", "1", "--head-dim", "32", "--d-ff", "128", "--vocab", "128", "--batch", "2",
-                          "--seq", "32", "--steps", "2", "--warmup", "1", "--peak-n", "512"], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "tools/bench_train.py",
+            "--layers",
+            "1",
+            "--d-model",
+            "64",
+            "--heads",
+            "2",
+            "--kv-heads",
+            "1",
+            "--head-dim",
+            "32",
+            "--d-ff",
+            "128",
+            "--vocab",
+            "128",
+            "--batch",
+            "2",
+            "--seq",
+            "32",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--peak-n",
+            "512",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads(out.stdout)
     assert res["tokens_per_s"] > 0 and 0 < res["mfu"] < 1.5
 
 
 def test_bench_dpo_runs_on_a_tiny_shape():
-    out = subprocess.run([sys.executable, "tools/bench_dpo.py", "--layers", "1", "--d-model", "64", "--heads", "2",
-                          "--kv-heads", "1", "--head-dim", "32", "--d-ff", "128", "--vocab", "128", "--batch", "2",
-                          "--seq", "32", "--steps", "1", "--warmup", "0"], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "tools/bench_dpo.py",
+            "--layers",
+            "1",
+            "--d-model",
+            "64",
+            "--heads",
+            "2",
+            "--kv-heads",
+            "1",
+            "--head-dim",
+            "32",
+            "--d-ff",
+            "128",
+            "--vocab",
+            "128",
+            "--batch",
+            "2",
+            "--seq",
+            "32",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads(out.stdout)
     assert res["step_s_median"] > 0 and res["loss"] == pytest.approx(0.6931, abs=1e-3)  # policy == reference
 
 
 def test_bench_train_torch_runs_on_a_tiny_shape():
-    out = subprocess.run([sys.executable, "tools/bench_train_torch.py", "--layers", "1", "--d-model", "64", "--heads", "2",
-                          "--kv-heads", "1", "--head-dim", "32", "--d-ff", "128", "--vocab", "128", "--batch", "2",
-                          "--seq", "32", "--steps", "2", "--warmup", "1"], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "tools/bench_train_torch.py",
+            "--layers",
+            "1",
+            "--d-model",
+            "64",
+            "--heads",
+            "2",
+            "--kv-heads",
+            "1",
+            "--head-dim",
+            "32",
+            "--d-ff",
+            "128",
+            "--vocab",
+            "128",
+            "--batch",
+            "2",
+            "--seq",
+            "32",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout)["tokens_per_s"] > 0
 
 
 def test_bench_vs_torch_reports_a_ratio_per_round():
-    out = subprocess.run([sys.executable, "tools/bench_vs_torch.py", "--rounds", "1", "--grad-accum", "2",
-                          "--layers", "1", "--d-model", "64", "--heads", "2", "--kv-heads", "1", "--head-dim", "32",
-                          "--d-ff", "128", "--vocab", "128", "--batch", "2", "--seq", "32", "--steps", "1",
-                          "--warmup", "0", "--peak-n", "256", "--untuned"], capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "tools/bench_vs_torch.py",
+            "--rounds",
+            "1",
+            "--grad-accum",
+            "2",
+            "--layers",
+            "1",
+            "--d-model",
+            "64",
+            "--heads",
+            "2",
+            "--kv-heads",
+            "1",
+            "--head-dim",
+            "32",
+            "--d-ff",
+            "128",
+            "--vocab",
+            "128",
+            "--batch",
+            "2",
+            "--seq",
+            "32",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--peak-n",
+            "256",
+            "--untuned",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     (row,) = summary["rounds"]
     for label in ("ga2", "ga2_untuned"):  # the step with and without ptrain's XLA:CPU flag
         assert row[f"ratio_{label}"] == pytest.approx(
-            row["torch"]["step_s_median"] / row[f"ptrain_{label}"]["step_s_median"], rel=1e-2)
+            row["torch"]["step_s_median"] / row[f"ptrain_{label}"]["step_s_median"], rel=1e-2
+        )
         assert summary[f"median_ratio_{label}"] == row[f"ratio_{label}"] > 0

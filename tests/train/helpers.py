@@ -7,8 +7,18 @@ from ptrain.config import ModelConfig
 
 
 def tiny_model_config(**kw) -> ModelConfig:
-    base = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
-                max_seq_len=64, qk_norm=True, tie_embeddings=False)
+    base = dict(
+        vocab_size=64,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=8,
+        d_ff=64,
+        max_seq_len=64,
+        qk_norm=True,
+        tie_embeddings=False,
+    )
     base.update(kw)
     return ModelConfig(**base)
 

@@ -1,9 +1,6 @@
 """The DPO objective: in-step and precomputed reference log-probs agree; policy == reference gives log 2."""
 
-import dataclasses
-
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -14,7 +11,6 @@ from ptrain.train.objectives import dpo_denominator, make_dpo_objective, pair_lo
 from ptrain.train.optim import make_optimizer
 from ptrain.train.state import init_train_state, split_model
 from ptrain.train.step import make_train_step
-
 from tests.train.helpers import tiny_model
 
 
@@ -71,8 +67,9 @@ def test_moe_policy_gets_the_balance_term_and_its_load(setup):
     reports the expert load that the router-bias update reads."""
     _, _, _, batch = setup
     vocab = int(max(np.max(batch["chosen_input_ids"]), np.max(batch["rejected_input_ids"]))) + 1
-    model_def, params, rest = split_model(tiny_model(vocab_size=max(vocab, 64), max_seq_len=256, n_layers=1,
-                                                     n_experts=4, top_k=2, d_ff_expert=16))
+    model_def, params, rest = split_model(
+        tiny_model(vocab_size=max(vocab, 64), max_seq_len=256, n_layers=1, n_experts=4, top_k=2, d_ff_expert=16)
+    )
     tx, _ = make_optimizer(OptimConfig(), 10)
     state = init_train_state(params, tx, seed=0, model_state=rest)
     cfg = DPOAlgoConfig(kind="simpo")  # reference-free: no reference weights needed

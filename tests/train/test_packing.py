@@ -3,7 +3,6 @@ gets alone, because attention and RoPE positions restart in every segment."""
 
 import jax
 import numpy as np
-import pytest
 from flax import nnx
 
 from ptrain.config import DataConfig
@@ -12,7 +11,6 @@ from ptrain.data.pipeline import pack_examples, shifted_examples, unpacked_batch
 from ptrain.data.tokenizer import build_tokenizer
 from ptrain.losses.sft import sft_token_losses
 from ptrain.models import Decoder
-
 from tests.train.helpers import tiny_model_config
 
 
@@ -37,4 +35,4 @@ def test_packed_and_unpacked_batches_give_the_same_per_token_losses(tmp_path):
         n = len(ex["input_ids"])
         r, _, col = placements[k]
         mask = ex["loss_mask"] > 0
-        np.testing.assert_allclose(lp[r, col:col + n][mask], lu[k, :n][mask], rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(lp[r, col : col + n][mask], lu[k, :n][mask], rtol=2e-5, atol=2e-5)

@@ -11,7 +11,6 @@ from ptrain.train.objectives import make_sft_objective, sft_denominator
 from ptrain.train.optim import decay_mask, make_optimizer, make_schedule
 from ptrain.train.state import init_train_state, split_model
 from ptrain.train.step import make_train_step
-
 from tests.train.helpers import random_batch, tiny_model
 
 
@@ -26,8 +25,9 @@ def run_steps(split, aggregation, grad_accum, n=2):
     # plain SGD: parameters move linearly in the gradient, so any accumulation error would show
     # (Adam's normalisation would amplify float noise in near-zero gradients instead)
     tx, lr = make_optimizer(OptimConfig(name="sgd", b1=0.0, lr=0.5, schedule="constant", grad_clip=0.0), 10)
-    step = jax.jit(make_train_step(make_sft_objective(model_def, cfg), sft_denominator(cfg, 128.0), tx, lr,
-                                   grad_accum=grad_accum))
+    step = jax.jit(
+        make_train_step(make_sft_objective(model_def, cfg), sft_denominator(cfg, 128.0), tx, lr, grad_accum=grad_accum)
+    )
     state = init_train_state(params, tx, seed=0, model_state=rest)
     losses = []
     for i in range(n):
@@ -67,8 +67,10 @@ def test_loss_decreases_on_a_repeated_batch(split):
 
 def test_decay_mask_skips_norms_biases_and_embeddings(split):
     _, params, _ = split
-    flat = {"/".join(str(getattr(k, "key", k)) for k in path): v
-            for path, v in jax.tree_util.tree_flatten_with_path(decay_mask(params, OptimConfig()))[0]}
+    flat = {
+        "/".join(str(getattr(k, "key", k)) for k in path): v
+        for path, v in jax.tree_util.tree_flatten_with_path(decay_mask(params, OptimConfig()))[0]
+    }
     assert not any(v for k, v in flat.items() if "norm" in k.lower())
     assert not any(v for k, v in flat.items() if "embed" in k.lower())
     assert any(v for k, v in flat.items() if "mlp" in k.lower() or "proj" in k.lower())
