@@ -1,8 +1,10 @@
-"""Batched generation with a KV cache: one prefill, then a `lax.while_loop` of decode steps.
+"""Generation with a KV cache: the pure pieces (sampling, masks, static-batch generation)
+that the serving engine (`ptrain.rollout.LocalEngine`) and `StaticGenerator` jit.
 
     out = generate(model, [[1, 5, 7], [1, 9]], max_new_tokens=32, temperature=0.0,
                    stop_tokens=[eos_id])
-    out.tokens_BxN, out.logprobs_BxN, out.lengths_B, out.finish_reasons  (host numpy)
+    out.tokens_BxN, out.logprobs_BxN, out.sampling_logprobs_BxN, out.lengths_B,
+    out.finish_reasons  (host numpy)
 
 Prompts of different lengths are LEFT-padded to a common bucket length P, so every row
 writes its next key/value at the same cache slot (one dynamic_update_slice per layer);
@@ -13,15 +15,16 @@ are traced arguments, not compile-time constants).
 
 Sampling (per row, in float32): logits / temperature, keep the top_k largest (0 = all),
 keep the smallest set of tokens whose probability reaches top_p (nucleus; Holtzman et al.
-2020), then sample. `logprobs` are log p(token) under exactly that filtered, tempered
-distribution. Greedy decoding (temperature == 0) picks argmax and reports the log-prob
-under the model's untempered distribution (a point mass would say 0 for every token).
+2020) and those within min_p of the top token, then sample. Two log-probs come back per
+token: under the tempered full-vocabulary softmax (`logprobs`: what a policy loss computes
+for that token) and under the filtered distribution sampled from (`sampling_logprobs`).
+Greedy decoding (temperature == 0) picks argmax and reports the untempered softmax's
+log-prob for both (a point mass would say 0 for every token).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 
 import jax
@@ -31,7 +34,7 @@ from flax import nnx
 
 from ptrain.models.decoder import Decoder, init_cache
 
-MAX_STOP_TOKENS = 8
+MAX_STOP_TOKENS = 64
 """Stop-token slots; a fixed size keeps the compiled loop reusable across stop sets."""
 
 FINISH_LENGTH, FINISH_STOP = 0, 1
@@ -43,62 +46,82 @@ class GenerateOutput:
     """Result of `generate` (host numpy arrays).
 
     tokens_BxN: int32 generated ids, N = max_new_tokens, `pad_id` after each row's end.
-    logprobs_BxN: float32 log-prob of each generated token (0 after the end).
+    logprobs_BxN: float32 log-prob of each generated token under the tempered full-vocabulary
+      softmax (the untempered one when greedy), the distribution a policy loss computes;
+      0 after the end.
+    sampling_logprobs_BxN: float32 log-prob under the top-k / top-p filtered distribution
+      actually sampled from (equal to logprobs_BxN without filtering); 0 after the end.
     lengths_B: int32 generated tokens per row, the stop token included.
     finish_reasons: per row "stop" (a stop token was generated) or "length".
     """
 
     tokens_BxN: np.ndarray
     logprobs_BxN: np.ndarray
+    sampling_logprobs_BxN: np.ndarray
     lengths_B: np.ndarray
     finish_reasons: list[str]
 
 
-def filter_logits(logits_BxV: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Tempered logits with tokens outside the top-k / top-p sets at -inf (float32).
+def filter_logits(z_BxV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array, min_p_B: jax.Array) -> jax.Array:
+    """Tempered logits with tokens outside each row's top-k / top-p / min-p set at -inf.
 
-    temperature > 0 (scalar); top_k: int scalar, 0 keeps all; top_p: scalar in (0, 1].
-    The token with the highest probability always survives.
+    z_BxV: float32 logits already divided by the temperature. Per row: top_k (<= 0 or >= V
+    keeps all), top_p in (0, 1] (nucleus: the smallest set of most likely tokens whose mass
+    reaches top_p; Holtzman et al. 2020), min_p in [0, 1] (tokens with p >= min_p * p_max).
+    The most likely token always survives.
     """
-    x = logits_BxV.astype(jnp.float32) / temperature
-    V = x.shape[-1]
-    sorted_desc = -jnp.sort(-x, axis=-1)  # [B, V] descending
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
-    kth = jnp.take_along_axis(sorted_desc, jnp.broadcast_to(k - 1, (x.shape[0], 1)), axis=-1)
-    # Nucleus: keep sorted token i if the mass strictly before it is < top_p.
+    V = z_BxV.shape[-1]
+    sorted_desc = -jnp.sort(-z_BxV, axis=-1)  # [B, V]
+    k = jnp.where((top_k_B > 0) & (top_k_B < V), top_k_B, V)[:, None]
+    kth = jnp.take_along_axis(sorted_desc, k - 1, axis=-1)
     probs = jax.nn.softmax(sorted_desc, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs
-    keep_sorted = before < top_p
-    n_keep = jnp.maximum(jnp.sum(keep_sorted, axis=-1, keepdims=True), 1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each sorted token
+    n_keep = jnp.maximum(jnp.sum(before < top_p_B[:, None], axis=-1, keepdims=True), 1)
     pth = jnp.take_along_axis(sorted_desc, n_keep - 1, axis=-1)
-    cutoff = jnp.maximum(kth, pth)
-    return jnp.where(x >= cutoff, x, -jnp.inf)
+    # p >= min_p * p_max  <=>  z >= z_max + log(min_p)
+    mth = sorted_desc[:, :1] + jnp.log(jnp.maximum(min_p_B[:, None], 1e-30))
+    cutoff = jnp.maximum(jnp.maximum(kth, pth), jnp.where(min_p_B[:, None] > 0, mth, -jnp.inf))
+    return jnp.where(z_BxV >= cutoff, z_BxV, -jnp.inf)
 
 
-def sample_tokens(logits_BxV, rng, temperature, top_k, top_p):
-    """One sampling step: (token ids [B] int32, their log-probs [B] float32).
+def sample_key(base_key_data_Bx2: jax.Array, t_B: jax.Array) -> jax.Array:
+    """The PRNG key of each row's token t: fold_in(base_b, t_b). With base_b =
+    fold_in(key(seed), b) a sample's tokens depend only on its seed, its index and t, not on
+    the batch it ran in, so static and continuous batching draw the same samples."""
+    return jax.vmap(lambda k, t: jax.random.fold_in(jax.random.wrap_key_data(k), t))(base_key_data_Bx2, t_B)
 
-    Branches with lax.cond so greedy decoding skips sampling, and sampling without top-k /
-    top-p skips the vocabulary sort.
+
+def base_keys(seed_key: jax.Array, n: int, first: int = 0) -> jax.Array:
+    """uint32 [n, 2] key data fold_in(seed_key, first + j) for j < n."""
+    return jax.vmap(lambda j: jax.random.key_data(jax.random.fold_in(seed_key, j)))(
+        first + jnp.arange(n, dtype=jnp.int32)
+    )
+
+
+def sample_rows(logits_BxV, keys_B, temperature_B, top_k_B, top_p_B, min_p_B):
+    """One sampling step per row: (token ids [B] int32, log-prob under the tempered full
+    softmax [B], log-prob under the filtered distribution sampled from [B]), float32.
+
+    temperature_B <= 0 decodes that row greedily (argmax; both log-probs are the untempered
+    softmax's). The vocabulary sort runs only when some row filters (lax.cond).
     """
-    logits = logits_BxV.astype(jnp.float32)
+    x = logits_BxV.astype(jnp.float32)
+    greedy = temperature_B <= 0.0
+    z = x / jnp.where(greedy, 1.0, temperature_B)[:, None]
+    logp_full = jax.nn.log_softmax(z, axis=-1)
+    V = x.shape[-1]
+    filtering = ((top_k_B > 0) & (top_k_B < V)) | (top_p_B < 1.0) | (min_p_B > 0.0)
+    filtered = jax.lax.cond(
+        jnp.any(filtering & ~greedy), lambda a: filter_logits(a, top_k_B, top_p_B, min_p_B), lambda a: a, z
+    )
+    drawn = jax.vmap(lambda k, f: jax.random.categorical(k, f))(keys_B, filtered).astype(jnp.int32)
+    tok = jnp.where(greedy, jnp.argmax(x, axis=-1).astype(jnp.int32), drawn)
+    lp_full = jnp.take_along_axis(logp_full, tok[:, None], axis=-1)[:, 0]
+    lp_filtered = jnp.take_along_axis(jax.nn.log_softmax(filtered, axis=-1), tok[:, None], axis=-1)[:, 0]
+    return tok, lp_full, jnp.where(greedy, lp_full, lp_filtered)
 
-    def greedy(_):
-        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
 
-    def sampled(_):
-        need_filter = (top_k > 0) | (top_p < 1.0)
-        filtered = jax.lax.cond(need_filter, filter_logits, lambda x, t, k, p: x / t, logits, temperature, top_k, top_p)
-        tok = jax.random.categorical(rng, filtered, axis=-1).astype(jnp.int32)
-        logp = jax.nn.log_softmax(filtered, axis=-1)
-        return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
-
-    return jax.lax.cond(temperature <= 0.0, greedy, sampled, None)
-
-
-def _decode_mask(pad_B: jax.Array, q_slots_T: jax.Array, S: int, window: int | None) -> jax.Array:
+def decode_mask(pad_B: jax.Array, q_slots_T: jax.Array, S: int, window: int | None) -> jax.Array:
     """[B, T, S]: key slot s visible to query slot t iff pad_b <= s <= t (and in window)."""
     s = jnp.arange(S)[None, None, :]
     t = q_slots_T[None, :, None]
@@ -108,10 +131,18 @@ def _decode_mask(pad_B: jax.Array, q_slots_T: jax.Array, S: int, window: int | N
     return ok
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens"))
-def _generate_jit(
+def generate_tokens(
     graphdef, state, prompt_BxP, pad_B, rng, temperature, top_k, top_p, stop_ids, pad_id, *, max_new_tokens: int
 ):
+    """Static-batch generation as one pure function (the owner jits it, with `graphdef` and
+    `max_new_tokens` static): prefill a left-padded [B, P] batch, then a `lax.while_loop` of
+    single-token decode steps until every row stopped or max_new_tokens.
+
+    state: the model's nnx state (`nnx.split(model)`); rng: a key, row b samples with
+    `sample_key(fold_in(rng, b), t)`; temperature / top_k / top_p: scalars for every row;
+    stop_ids: int32 [MAX_STOP_TOKENS] padded with -1. Returns (tokens, logprobs,
+    sampling_logprobs [B, N], lengths [B], stopped [B]).
+    """
     cfg = nnx.merge(graphdef, state).cfg
 
     def decode_step(st, *args):
@@ -123,12 +154,14 @@ def _generate_jit(
     caches = init_cache(cfg, B, S)
     slots = jnp.arange(P)
     positions = jnp.maximum(slots[None, :] - pad_B[:, None], 0).astype(jnp.int32)
-    mask = _decode_mask(pad_B, slots, S, window)
-    logits, caches = decode_step(state, prompt_BxP, positions, mask, caches, jnp.zeros((), jnp.int32))
-    last = logits[:, -1, :]
+    logits, caches = decode_step(state, prompt_BxP, positions, decode_mask(pad_B, slots, S, window), caches, 0)
+    keys = base_keys(rng, B)
+    row = lambda x: jnp.broadcast_to(x, (B,))
+    temp_B, top_k_B, top_p_B, min_p_B = row(temperature), row(top_k), row(top_p), row(jnp.float32(0))
 
     tokens = jnp.full((B, max_new_tokens), pad_id, jnp.int32)
     logps = jnp.zeros((B, max_new_tokens), jnp.float32)
+    slogps = jnp.zeros((B, max_new_tokens), jnp.float32)
     done = jnp.zeros((B,), bool)
     lengths = jnp.zeros((B,), jnp.int32)
     stopped = jnp.zeros((B,), bool)
@@ -137,30 +170,28 @@ def _generate_jit(
     # nnx transforms inside the model (scan over stacked layers) refuse variables whose
     # values come from an outer trace level.
     def cond(carry):
-        t, _, _, _, done, *_ = carry
+        t, _, _, done, *_ = carry
         return (t < max_new_tokens) & ~jnp.all(done)
 
     def body(carry):
-        t, last, caches, rng, done, tokens, logps, lengths, stopped, st = carry
-        rng, sub = jax.random.split(rng)
-        tok, lp = sample_tokens(last, sub, temperature, top_k, top_p)
+        t, last, caches, done, tokens, logps, slogps, lengths, stopped, st = carry
+        tok, lp, slp = sample_rows(last, sample_key(keys, row(t)), temp_B, top_k_B, top_p_B, min_p_B)
         tok = jnp.where(done, pad_id, tok)
-        lp = jnp.where(done, 0.0, lp)
         tokens = jax.lax.dynamic_update_slice(tokens, tok[:, None], (0, t))
-        logps = jax.lax.dynamic_update_slice(logps, lp[:, None], (0, t))
+        logps = jax.lax.dynamic_update_slice(logps, jnp.where(done, 0.0, lp)[:, None], (0, t))
+        slogps = jax.lax.dynamic_update_slice(slogps, jnp.where(done, 0.0, slp)[:, None], (0, t))
         lengths = lengths + (~done).astype(jnp.int32)
         is_stop = jnp.any(tok[:, None] == stop_ids[None, :], axis=-1) & ~done
         stopped = stopped | is_stop
         done = done | is_stop
         slot = P + t
         pos = (slot - pad_B)[:, None].astype(jnp.int32)
-        m = _decode_mask(pad_B, slot[None], S, window)
-        logits, caches = decode_step(st, tok[:, None], pos, m, caches, slot)
-        return t + 1, logits[:, 0, :], caches, rng, done, tokens, logps, lengths, stopped, st
+        logits, caches = decode_step(st, tok[:, None], pos, decode_mask(pad_B, slot[None], S, window), caches, slot)
+        return t + 1, logits[:, 0, :], caches, done, tokens, logps, slogps, lengths, stopped, st
 
-    carry = (jnp.zeros((), jnp.int32), last, caches, rng, done, tokens, logps, lengths, stopped, state)
-    _, _, _, _, _, tokens, logps, lengths, stopped, _ = jax.lax.while_loop(cond, body, carry)
-    return tokens, logps, lengths, stopped
+    carry = (jnp.zeros((), jnp.int32), logits[:, -1, :], caches, done, tokens, logps, slogps, lengths, stopped, state)
+    _, _, _, _, tokens, logps, slogps, lengths, stopped, _ = jax.lax.while_loop(cond, body, carry)
+    return tokens, logps, slogps, lengths, stopped
 
 
 def bucket_length(n: int, minimum: int = 16) -> int:
@@ -193,20 +224,91 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, length: int) -> tupl
     return ids, pads
 
 
-def generate(
-    model: Decoder,
-    prompts: Sequence[Sequence[int]] | tuple[np.ndarray, np.ndarray],
-    *,
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    stop_tokens: Sequence[int] = (),
-    rng: jax.Array | None = None,
-    pad_id: int = 0,
-    prompt_bucket: int | None = None,
-) -> GenerateOutput:
-    """Generates continuations for a batch of prompts (see the module docstring).
+class StaticGenerator:
+    """Static-batch generation for one model: `generate_tokens` jitted once, here, by its
+    owner; compiled once per (batch, prompt bucket, max new tokens) and reused across calls,
+    sampling settings and weights (`params` may be passed per call).
+
+        gen = StaticGenerator(model)
+        out = gen([[1, 5, 7], [1, 9]], max_new_tokens=32, stop_tokens=[eos_id])
+
+    The serving engine (`ptrain.rollout.LocalEngine`) batches continuously instead; this is
+    the simple path for one-off batches, tests and the static-batching baseline.
+    """
+
+    def __init__(self, model: Decoder):
+        self.graphdef, self.state = nnx.split(model)
+        self.cfg = model.cfg
+        self._fn = jax.jit(generate_tokens, static_argnames=("graphdef", "max_new_tokens"))
+
+    def __call__(
+        self,
+        prompts: Sequence[Sequence[int]] | tuple[np.ndarray, np.ndarray],
+        *,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop_tokens: Sequence[int] = (),
+        rng: jax.Array | None = None,
+        pad_id: int = 0,
+        prompt_bucket: int | None = None,
+        state=None,
+    ) -> GenerateOutput:
+        """Continuations of a batch of prompts (see `generate`); `state` replaces the
+        model's nnx state (same structure) for this call."""
+        if isinstance(prompts, tuple) and len(prompts) == 2 and np.ndim(prompts[0]) == 2 and np.ndim(prompts[1]) == 1:
+            ids, lens = np.asarray(prompts[0]), np.asarray(prompts[1])
+            prompts = [ids[i, : int(lens[i])].tolist() for i in range(ids.shape[0])]
+        prompts = [list(p) for p in prompts]
+        if not prompts:
+            raise ValueError("generate needs at least one prompt")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+            raise ValueError(
+                f"bad sampling settings temperature={temperature} top_p={top_p} top_k={top_k}: "
+                "need temperature >= 0, 0 < top_p <= 1, top_k >= 0"
+            )
+        if len(stop_tokens) > MAX_STOP_TOKENS:
+            raise ValueError(f"at most {MAX_STOP_TOKENS} stop tokens, got {len(stop_tokens)}")
+        longest = max(len(p) for p in prompts)
+        P = prompt_bucket or prompt_bucket_for(longest, max_new_tokens, self.cfg.max_seq_len)
+        if P < longest:
+            raise ValueError(f"prompt_bucket={P} is shorter than the longest prompt ({longest} tokens)")
+        if P + max_new_tokens > self.cfg.max_seq_len:
+            raise ValueError(
+                f"prompt of {longest} tokens (padded to {P}) + max_new_tokens {max_new_tokens} exceeds "
+                f"model.max_seq_len={self.cfg.max_seq_len}; shorten the prompt or lower max_new_tokens"
+            )
+        ids, pads = left_pad(prompts, pad_id, P)
+        stop = np.full((MAX_STOP_TOKENS,), -1, np.int32)
+        stop[: len(stop_tokens)] = np.asarray(stop_tokens, np.int32)
+        tokens, logps, slogps, lengths, stopped = self._fn(
+            self.graphdef,
+            self.state if state is None else state,
+            jnp.asarray(ids),
+            jnp.asarray(pads),
+            jax.random.key(0) if rng is None else rng,
+            jnp.float32(temperature),
+            jnp.int32(top_k),
+            jnp.float32(top_p),
+            jnp.asarray(stop),
+            jnp.int32(pad_id),
+            max_new_tokens=max_new_tokens,
+        )
+        stopped = np.asarray(stopped)
+        return GenerateOutput(
+            tokens_BxN=np.asarray(tokens),
+            logprobs_BxN=np.asarray(logps),
+            sampling_logprobs_BxN=np.asarray(slogps),
+            lengths_B=np.asarray(lengths),
+            finish_reasons=[FINISH_NAMES[FINISH_STOP if s else FINISH_LENGTH] for s in stopped],
+        )
+
+
+def generate(model: Decoder, prompts, **kw) -> GenerateOutput:
+    """One static batch: `StaticGenerator(model)(prompts, **kw)`.
 
     prompts: a list of token-id lists, or (ids_BxP right-padded, lengths_B) arrays.
     max_new_tokens: tokens generated per row at most (also the cache extension).
@@ -214,54 +316,8 @@ def generate(
     MAX_STOP_TOKENS ids that end a row (the stop token is included in the output).
     prompt_bucket: padded prompt length (default: next power of two >= longest prompt, capped
     at model.max_seq_len - max_new_tokens when the longest prompt fits under that).
+    Calls with the same model structure and shapes reuse one compiled program (jit caches
+    on the pure function `generate_tokens`); a driver that samples repeatedly keeps a
+    StaticGenerator or a LocalEngine instead, which also skips re-splitting the model.
     """
-    if isinstance(prompts, tuple) and len(prompts) == 2 and np.ndim(prompts[0]) == 2 and np.ndim(prompts[1]) == 1:
-        ids, lens = np.asarray(prompts[0]), np.asarray(prompts[1])
-        prompts = [ids[i, : int(lens[i])].tolist() for i in range(ids.shape[0])]
-    prompts = [list(p) for p in prompts]
-    if not prompts:
-        raise ValueError("generate needs at least one prompt")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-        raise ValueError(
-            f"bad sampling settings temperature={temperature} top_p={top_p} top_k={top_k}: "
-            "need temperature >= 0, 0 < top_p <= 1, top_k >= 0"
-        )
-    if len(stop_tokens) > MAX_STOP_TOKENS:
-        raise ValueError(f"at most {MAX_STOP_TOKENS} stop tokens, got {len(stop_tokens)}")
-    longest = max(len(p) for p in prompts)
-    cfg = model.cfg
-    P = prompt_bucket or prompt_bucket_for(longest, max_new_tokens, cfg.max_seq_len)
-    if P < longest:
-        raise ValueError(f"prompt_bucket={P} is shorter than the longest prompt ({longest} tokens)")
-    if P + max_new_tokens > cfg.max_seq_len:
-        raise ValueError(
-            f"prompt of {longest} tokens (padded to {P}) + max_new_tokens {max_new_tokens} exceeds "
-            f"model.max_seq_len={cfg.max_seq_len}; shorten the prompt or lower max_new_tokens"
-        )
-    ids, pads = left_pad(prompts, pad_id, P)
-    stop = np.full((MAX_STOP_TOKENS,), -1, np.int32)
-    stop[: len(stop_tokens)] = np.asarray(stop_tokens, np.int32)
-    rng = jax.random.key(0) if rng is None else rng
-    graphdef, state = nnx.split(model)
-    tokens, logps, lengths, stopped = _generate_jit(
-        graphdef,
-        state,
-        jnp.asarray(ids),
-        jnp.asarray(pads),
-        rng,
-        jnp.float32(temperature),
-        jnp.int32(top_k),
-        jnp.float32(top_p),
-        jnp.asarray(stop),
-        jnp.int32(pad_id),
-        max_new_tokens=max_new_tokens,
-    )
-    stopped = np.asarray(stopped)
-    return GenerateOutput(
-        tokens_BxN=np.asarray(tokens),
-        logprobs_BxN=np.asarray(logps),
-        lengths_B=np.asarray(lengths),
-        finish_reasons=[FINISH_NAMES[FINISH_STOP if s else FINISH_LENGTH] for s in stopped],
-    )
+    return StaticGenerator(model)(prompts, **kw)

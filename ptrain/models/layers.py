@@ -303,9 +303,14 @@ class Attention(nnx.Module):
         kv_cache: tuple[jax.Array, jax.Array] | None = None,
         cache_index: jax.Array | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
-        """Self-attention over x; with `kv_cache` ([B, S, K, Dh] each) the new keys/values are
-        written at slot `cache_index` (same for every row) and queries attend to the whole
-        cache under `mask_BxTxS`. Returns (out [B, T, D], updated cache or None)."""
+        """Self-attention over x. Returns (out [B, T, D], updated cache or None).
+
+        With `kv_cache` (k, v, each [R, S_max, K, Dh], R >= B): the batch is cache rows
+        [0, B). The T new keys/values of row b are written at slots cache_index + [0, T):
+        `cache_index` is a scalar (every row the same) or a [B] vector of per-row slots,
+        where a slot >= S_max writes nothing (an idle row of a serving batch). Queries attend
+        to cache slots [0, S) with S = mask_BxTxS.shape[-1] <= S_max, so a caller bounds the
+        keys read by the length it knows is in use."""
         bias = self.qkv_bias
         q = self._project(x_BxTxD, self.q, self.q_bias if bias else None)
         k = self._project(x_BxTxD, self.k, self.k_bias if bias else None)
@@ -317,11 +322,21 @@ class Attention(nnx.Module):
             out = causal_attend(q, k, v, mask_BxTxS, self.sliding_window)
             return jnp.einsum("blnh,nhd->bld", out, self.o[...].astype(self.dtype)), None
         ck, cv = kv_cache
-        zero = jnp.zeros((), jnp.int32)
-        start = (zero, cache_index.astype(jnp.int32), zero, zero)
-        ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), start)
-        cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), start)
-        out = attend(q, ck.astype(self.dtype), cv.astype(self.dtype), mask_BxTxS)
+        B, T = k.shape[:2]
+        cache_index = jnp.asarray(cache_index, jnp.int32)
+        if cache_index.ndim == 0:
+            zero = jnp.zeros((), jnp.int32)
+            start = (zero, cache_index, zero, zero)
+            ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), start)
+            cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), start)
+        else:
+            rows_Bx1 = jnp.arange(B, dtype=jnp.int32)[:, None]
+            slots_BxT = cache_index[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+            ck = ck.at[rows_Bx1, slots_BxT].set(k.astype(ck.dtype), mode="drop")
+            cv = cv.at[rows_Bx1, slots_BxT].set(v.astype(cv.dtype), mode="drop")
+        S = mask_BxTxS.shape[-1]
+        keys, values = ck[:B, :S].astype(self.dtype), cv[:B, :S].astype(self.dtype)
+        out = attend(q, keys, values, mask_BxTxS)
         return jnp.einsum("blnh,nhd->bld", out, self.o[...].astype(self.dtype)), (ck, cv)
 
 

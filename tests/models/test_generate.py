@@ -8,7 +8,7 @@ from flax import nnx
 
 from ptrain.config.model import ModelConfig
 from ptrain.models import Decoder, generate, init_cache
-from ptrain.models.generate import _decode_mask, filter_logits, left_pad
+from ptrain.models.generate import decode_mask, filter_logits, left_pad
 
 CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48, max_seq_len=64)
 PROMPTS = [[5, 9, 11], [7, 3, 2, 8, 1, 4, 6]]
@@ -48,14 +48,14 @@ def test_prefill_and_decode_logits_equal_the_full_forward(model):
         caches = init_cache(CFG, 2, S)
         slots = jnp.arange(P)
         pos = jnp.maximum(slots[None] - pads[:, None], 0)
-        logits, caches = m.decode_step(jnp.asarray(ids), pos, _decode_mask(pads, slots, S, None), caches, jnp.int32(0))
+        logits, caches = m.decode_step(jnp.asarray(ids), pos, decode_mask(pads, slots, S, None), caches, jnp.int32(0))
         outs = [logits]
         for t in range(3):
             slot = jnp.int32(P + t)
             lg, caches = m.decode_step(
                 jnp.asarray(nxt[:, t : t + 1]),
                 (slot - pads)[:, None],
-                _decode_mask(pads, slot[None], S, None),
+                decode_mask(pads, slot[None], S, None),
                 caches,
                 slot,
             )
@@ -90,25 +90,36 @@ def test_greedy_matches_step_by_step_argmax_and_stops(model):
     assert (out2.tokens_BxN[0, n:] == 63).all() and (out2.logprobs_BxN[0, n:] == 0).all()
 
 
-def test_sampled_logprobs_follow_the_filtered_distribution(model):
+def test_sampled_logprobs_full_vocabulary_and_filtered(model):
+    """logprobs: the tempered full softmax (what the policy loss computes); sampling_logprobs:
+    the top-k / top-p filtered distribution the tokens were drawn from."""
     out = generate(model, PROMPTS, max_new_tokens=6, temperature=0.7, top_k=5, top_p=0.9, rng=jax.random.key(3))
+    one = lambda x: jnp.asarray([x])
     for b, prompt in enumerate(PROMPTS):
         seq = prompt + out.tokens_BxN[b].tolist()
-        logits = _forward(model, seq)[len(prompt) - 1 : -1]
-        filt = jax.jit(filter_logits)(logits, jnp.float32(0.7), jnp.int32(5), jnp.float32(0.9))
-        lp = jax.nn.log_softmax(filt, axis=-1)[np.arange(6), out.tokens_BxN[b]]
-        np.testing.assert_allclose(out.logprobs_BxN[b], lp, atol=1e-4)
-        assert np.isfinite(out.logprobs_BxN[b]).all()
+        z = _forward(model, seq)[len(prompt) - 1 : -1] / 0.7
+        filt = jax.vmap(lambda r: filter_logits(r[None], one(5), one(0.9), one(0.0))[0])(z)
+        idx = np.arange(6), out.tokens_BxN[b]
+        np.testing.assert_allclose(out.sampling_logprobs_BxN[b], jax.nn.log_softmax(filt, axis=-1)[idx], atol=1e-4)
+        np.testing.assert_allclose(out.logprobs_BxN[b], jax.nn.log_softmax(z, axis=-1)[idx], atol=1e-4)
+        assert np.isfinite(out.sampling_logprobs_BxN[b]).all()
+        assert (out.logprobs_BxN[b] <= out.sampling_logprobs_BxN[b] + 1e-6).all()  # truncation only adds mass
 
 
-def test_filter_logits_top_k_and_top_p():
+def test_filter_logits_top_k_top_p_and_min_p():
     logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]]))
-    keep = lambda k, p: np.isfinite(np.asarray(filter_logits(logits, jnp.float32(1), jnp.int32(k), jnp.float32(p))))[0]
-    assert keep(0, 1.0).tolist() == [True, True, True, True]
-    assert keep(2, 1.0).tolist() == [True, True, False, False]
-    assert keep(0, 0.8).tolist() == [True, True, False, False]  # 0.5 + 0.3 reaches 0.8
-    assert keep(0, 0.81).tolist() == [True, True, True, False]
-    assert keep(3, 0.1).tolist() == [True, False, False, False]  # the top token always survives
+
+    def keep(k, p, m=0.0):
+        out = filter_logits(logits, jnp.asarray([k]), jnp.asarray([p], jnp.float32), jnp.asarray([m], jnp.float32))
+        return np.isfinite(np.asarray(out))[0].tolist()
+
+    assert keep(0, 1.0) == [True, True, True, True]
+    assert keep(2, 1.0) == [True, True, False, False]
+    assert keep(0, 0.8) == [True, True, False, False]  # 0.5 + 0.3 reaches 0.8
+    assert keep(0, 0.81) == [True, True, True, False]
+    assert keep(3, 0.1) == [True, False, False, False]  # the top token always survives
+    assert keep(0, 1.0, 0.3) == [True, True, True, False]  # p >= 0.3 * 0.5
+    assert keep(0, 1.0, 1.0) == [True, False, False, False]
 
 
 def test_bad_requests_are_rejected(model):

@@ -1,0 +1,929 @@
+"""LocalEngine: the in-process JAX rollout engine, and the embedded default sampler.
+
+    engine = LocalEngine.from_hf("runs/x/stages/sft/export", max_running_requests=16)
+    samples = engine.generate_many([GenerateRequest(prompt_ids, SamplingParams(n=8))])
+
+How it runs. One engine thread owns the device state; `submit` only queues. The KV cache
+is allocated once: `max_running_requests` rows of `context_length` slots per layer. Each
+row holds one sequence left-aligned from slot 0, so every row writes its next key at its
+own slot (a per-row scatter) and a finished sequence frees its row for the next queued
+request without touching the others (continuous batching). Each loop iteration:
+
+  1. control commands (abort, weight swaps, pause, cache flush) run between device calls;
+  2. queued requests are admitted while rows are free: the prompt's longest prefix already
+     held by some row (the prefix cache) is copied or, from an idle row, kept in place, and
+     only the rest is prefilled ("extend", in chunks); a request's n samples share that one
+     prefill, the other n - 1 rows get a copy of the row;
+  3. one jitted decode call advances every running row by `decode_steps` tokens (the
+     sampled tokens feed back on the device; the host checks stops once per call);
+  4. finished samples resolve their futures; their rows stay as prefix-cache entries
+     (token ids -> KV) until a new request needs the row (least recently used first).
+
+The prompt's last token is never prefilled: it is the first decode step's input, so the
+first output token is sampled by the same code as every other, and a group's n rows share
+everything before it.
+
+Compiles: decode once per (row bucket, key-length bucket), extend once per (chunk bucket,
+key-length bucket), powers of two; weights, sampling settings and stop tokens are traced
+arguments, so weight swaps and new requests never recompile.
+
+Sampling randomness: sample j of a request with seed s draws token t with key
+fold_in(fold_in(key(s), j), t), whatever else runs (`ptrain.models.generate.sample_key`);
+without `sampling_seed` the engine draws s from its own seeded generator.
+
+Weight swaps (`update_weights`, `update_weights_from_disk`) keep shapes, dtypes and
+shardings, bump `weight_version`, and drop idle prefix-cache rows (their keys came from
+the old weights). Modes: "drain" (admission pauses, running samples finish on the old
+weights, then the swap), "abort" (running samples end with finish_reason abort and their
+partial tokens), "in_place" (swap between two decode calls; running samples continue on
+the new weights, and `Sample.weight_versions` records where the version changed).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import os
+import threading
+import time
+import traceback
+import uuid
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ptrain.models.generate import base_keys, sample_key, sample_rows
+from ptrain.rollout.protocol import (
+    EngineBase,
+    FinishReason,
+    GenerateRequest,
+    RequestError,
+    Sample,
+    WeightSpan,
+)
+
+log = logging.getLogger(__name__)
+
+SWAP_MODES = ("drain", "abort", "in_place")
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class WeightsError(ValueError):
+    """New weights that cannot replace the served ones; the old weights keep serving."""
+
+
+class EngineClosed(RuntimeError):
+    """The engine was closed (or its thread failed) before the request finished."""
+
+
+def _bucket(n: int, lo: int, hi: int) -> int:
+    """Smallest power of two >= max(n, lo), capped at hi (hi itself when n > the last power)."""
+    b = lo
+    while b < n:
+        b *= 2
+    return min(b, hi)
+
+
+# ----------------------------------------------------------------------------- pure device functions
+
+
+def _cache_axis(x: jax.Array) -> int:
+    """Row axis of a cache leaf: [R, S, K, Dh] per layer, or [n_layers, R, S, K, Dh] stacked."""
+    return x.ndim - 4
+
+
+def _extend(model_def, params, model_state, caches, row, tokens_1xM, start, n_valid, targets_1xM, temperature,
+            *, key_len: int, with_logprobs: bool):  # fmt: skip
+    """Prefill tokens [start, start + M) of cache row `row` (only the first n_valid are real).
+
+    The row is sliced out, run through `decode_step` with a scalar write index, and written
+    back. Returns (caches, log-probs [M] of `targets_1xM` under softmax(logits / T), or None).
+    """
+    model = model_def.bind(params, model_state)
+    window = model.cfg.sliding_window
+    M = tokens_1xM.shape[1]
+    row_caches = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, row, 1, axis=_cache_axis(x)), caches)
+    q_pos = start + jnp.arange(M, dtype=jnp.int32)
+    s = jnp.arange(key_len, dtype=jnp.int32)
+    mask = s[None, :] <= q_pos[:, None]
+    if window is not None:
+        mask = mask & (q_pos[:, None] - s[None, :] < window)
+    logits, row_caches = model.decode_step(tokens_1xM, q_pos[None, :], mask[None], row_caches, start)
+    caches = jax.tree.map(
+        lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r, row, axis=_cache_axis(x)), caches, row_caches
+    )
+    if not with_logprobs:
+        return caches, None
+    z = logits[0] / jnp.where(temperature > 0, temperature, 1.0)
+    lp = jnp.take_along_axis(jax.nn.log_softmax(z, axis=-1), targets_1xM[0][:, None], axis=-1)[:, 0]
+    return caches, jnp.where(jnp.arange(M) < n_valid, lp, 0.0)
+
+
+def _copy_row(caches, src, dst):
+    """Row dst := row src in every layer's keys and values."""
+
+    def one(x):
+        axis = _cache_axis(x)
+        return jax.lax.dynamic_update_slice_in_dim(x, jax.lax.dynamic_slice_in_dim(x, src, 1, axis=axis), dst, axis)
+
+    return jax.tree.map(one, caches)
+
+
+def _decode(model_def, params, model_state, caches, tok_B, pos_B, t_B, keys_Bx2, temp_B, top_k_B, top_p_B, min_p_B,
+            *, steps: int, key_len: int):  # fmt: skip
+    """`steps` decode steps of cache rows [0, B): feed tok_B at slot pos_B, sample the next.
+
+    A row with pos_B >= the cache length is idle: it writes nothing and its outputs are
+    ignored (it attends to every slot, so its numbers stay finite). Returns (caches, tokens,
+    full-softmax log-probs, sampling log-probs), each [steps, B] after caches.
+    """
+    model = model_def.bind(params, model_state)
+    window = model.cfg.sliding_window
+    s = jnp.arange(key_len, dtype=jnp.int32)
+
+    def body(i, carry):
+        caches, tok, pos, t, out_tok, out_lp, out_slp = carry
+        mask = (s[None, :] <= pos[:, None]) | (pos[:, None] >= key_len)
+        if window is not None:
+            mask = mask & ((pos[:, None] - s[None, :] < window) | (pos[:, None] >= key_len))
+        logits, caches = model.decode_step(tok[:, None], pos[:, None], mask[:, None, :], caches, pos)
+        nxt, lp, slp = sample_rows(logits[:, 0], sample_key(keys_Bx2, t), temp_B, top_k_B, top_p_B, min_p_B)
+        out_tok = out_tok.at[i].set(nxt)
+        out_lp = out_lp.at[i].set(lp)
+        out_slp = out_slp.at[i].set(slp)
+        return caches, nxt, pos + 1, t + 1, out_tok, out_lp, out_slp
+
+    B = tok_B.shape[0]
+    init = (
+        caches,
+        tok_B,
+        pos_B,
+        t_B,
+        jnp.zeros((steps, B), jnp.int32),
+        jnp.zeros((steps, B), jnp.float32),
+        jnp.zeros((steps, B), jnp.float32),
+    )
+    caches, _, _, _, out_tok, out_lp, out_slp = jax.lax.fori_loop(0, steps, body, init)
+    return caches, out_tok, out_lp, out_slp
+
+
+# ----------------------------------------------------------------------------- host-side bookkeeping
+
+
+@dataclasses.dataclass(eq=False)
+class _SampleState:
+    request: _Request
+    index: int
+    row: int = -1
+    output: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    sampling_logprobs: list[float] = dataclasses.field(default_factory=list)
+    finish: FinishReason | None = None
+    spans: list[list[Any]] = dataclasses.field(default_factory=list)  # [version, start]
+    cached_tokens: int = 0
+    first_token_time: float = 0.0
+    end_time: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return f"{self.request.rid}-{self.index}"
+
+    def to_sample(self, weight_version: str) -> Sample:
+        req = self.request
+        spans = []
+        for i, (version, start) in enumerate(self.spans):
+            end = self.spans[i + 1][1] if i + 1 < len(self.spans) else len(self.output)
+            spans.append(WeightSpan(version, start, end))
+        version = self.spans[-1][0] if self.spans else weight_version
+        t0 = req.submit_time
+        return Sample(
+            rid=req.rid,
+            index=self.index,
+            prompt_ids=req.request.input_ids,
+            output_ids=tuple(self.output),
+            logprobs=tuple(self.logprobs),
+            sampling_logprobs=tuple(self.sampling_logprobs),
+            finish_reason=self.finish,
+            weight_version=version,
+            weight_versions=tuple(spans),
+            cached_tokens=self.cached_tokens,
+            prompt_logprobs=req.prompt_logprobs,
+            queue_time_s=max(req.admit_time - t0, 0.0) if req.admit_time else 0.0,
+            first_token_time_s=max(self.first_token_time - t0, 0.0) if self.first_token_time else 0.0,
+            e2e_latency_s=max((self.end_time or time.time()) - t0, 0.0),
+        )
+
+
+@dataclasses.dataclass(eq=False)
+class _Request:
+    request: GenerateRequest
+    rid: str
+    future: concurrent.futures.Future
+    on_update: Callable[[list[Sample]], None] | None
+    submit_time: float
+    seed: int
+    stop_ids: frozenset[int]
+    max_new_tokens: int
+    samples: list[_SampleState] = dataclasses.field(default_factory=list)
+    admit_time: float = 0.0
+    prompt_logprobs: tuple[float, ...] | None = None
+
+
+FREE, IDLE, ACTIVE = 0, 1, 2
+
+
+# ----------------------------------------------------------------------------- the engine
+
+
+class LocalEngine(EngineBase):
+    """Continuous-batching JAX engine over one Decoder (module docstring).
+
+    model: a `ptrain.models.Decoder` (placed on `mesh` already if sharded).
+    max_running_requests: cache rows = samples decoded at once (SGLang's flag of that name).
+    context_length: slots per row, prompt + output (default: the model's max_seq_len).
+    mesh: the mesh the weights live on; the cache is sharded over its `tensor` axis on
+      kv heads (by the logical-axis rules), rows replicated.
+    eos_token_ids: ids that end a sample unless `ignore_eos`.
+    decode_steps: tokens per decode call before the host checks stops (>= 1).
+    prefill_chunk: longest prefill call, in tokens (longer prompts are prefilled in chunks).
+    max_prefill_tokens: prompt tokens admitted per loop iteration, so running samples keep
+      decoding while a burst of prompts arrives (at least one request is always admitted).
+    seed: seeds the per-request sampling seeds of requests without `sampling_seed`.
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        max_running_requests: int = 16,
+        context_length: int | None = None,
+        mesh=None,
+        rules=None,
+        eos_token_ids: tuple[int, ...] | list[int] = (),
+        weight_version: str = "default",
+        model_path: str | None = None,
+        decode_steps: int = 4,
+        prefill_chunk: int = 512,
+        max_prefill_tokens: int = 4096,
+        seed: int = 0,
+    ):
+        from ptrain.train.state import split_model
+
+        cfg = model.cfg
+        if max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
+        if decode_steps < 1 or prefill_chunk < 16:
+            raise ValueError(f"decode_steps must be >= 1 and prefill_chunk >= 16, got {decode_steps}, {prefill_chunk}")
+        self.cfg = cfg
+        self.vocab_size = cfg.vocab_size
+        self.context_length = int(context_length or cfg.max_seq_len)
+        if not 2 <= self.context_length <= cfg.max_seq_len:
+            raise ValueError(
+                f"context_length={self.context_length} must be in [2, the model's max_seq_len={cfg.max_seq_len}]"
+            )
+        self.max_running_requests = int(max_running_requests)
+        self.model_path = model_path
+        self.eos_token_ids = tuple(int(i) for i in eos_token_ids)
+        self.decode_steps = int(decode_steps)
+        self.prefill_chunk = int(prefill_chunk)
+        self.max_prefill_tokens = int(max_prefill_tokens)
+        self.mesh = mesh
+        self._rules = rules
+        self._model_def, params, model_state = split_model(model)
+        self._params, self._model_state = params, model_state
+        self._weight_version = str(weight_version)
+        self._updates = 0
+        self._seeds = np.random.default_rng(seed)
+
+        R, S = self.max_running_requests, self.context_length
+        from ptrain.models import init_cache
+
+        self._caches = self._place_caches(jax.eval_shape(lambda: init_cache(cfg, R, S)))
+        self.kv_cache_bytes = int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self._caches)))
+
+        # Jitted once here: static shapes by bucket; the cache is donated, so it updates in place.
+        self._extend_fn = jax.jit(
+            _extend, static_argnames=("model_def", "key_len", "with_logprobs"), donate_argnames=("caches",)
+        )
+        self._copy_fn = jax.jit(_copy_row, donate_argnums=(0,))
+        self._decode_fn = jax.jit(
+            _decode, static_argnames=("model_def", "steps", "key_len"), donate_argnames=("caches",)
+        )
+
+        # Per-row host state.
+        self._row_state = np.full(R, FREE, np.int8)
+        self._row_tokens: list[np.ndarray] = [np.zeros(0, np.int32) for _ in range(R)]
+        self._row_used = np.zeros(R, np.float64)
+        self._row_sample: list[_SampleState | None] = [None] * R
+        self._tok = np.zeros(R, np.int32)
+        self._pos = np.full(R, S, np.int32)  # S: idle
+        self._t = np.zeros(R, np.int32)
+        self._keys = np.zeros((R, 2), np.uint32)
+        self._temp = np.zeros(R, np.float32)
+        self._top_k = np.zeros(R, np.int32)
+        self._top_p = np.ones(R, np.float32)
+        self._min_p = np.zeros(R, np.float32)
+
+        self._lock = threading.Condition()
+        self._queue: deque[_Request] = deque()
+        self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
+        self._requests: dict[str, _Request] = {}
+        self._paused = False
+        self._pending_swap: tuple | None = None
+        self._closed = False
+        self._failure: BaseException | None = None
+        self.stats = {"prefill_tokens": 0, "cached_tokens": 0, "decode_calls": 0, "output_tokens": 0}
+        self._thread = threading.Thread(target=self._run, name="ptrain-local-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ construction helpers
+
+    @classmethod
+    def from_hf(cls, path: str, *, dtype: str = "float32", tp_size: int = 1, mesh=None, **kw) -> LocalEngine:
+        """Load a Hugging Face folder (config.json + safetensors); `tp_size` > 1 shards the
+        weights tensor-parallel over that many devices. eos ids come from the folder's
+        generation_config.json (else config.json) unless `eos_token_ids` is given."""
+        from ptrain.models import load_hf
+
+        if mesh is None and tp_size > 1:
+            mesh = tensor_parallel_mesh(tp_size)
+        model = load_hf(path, dtype=dtype, mesh=mesh)
+        kw.setdefault("eos_token_ids", eos_ids_of(path))
+        return cls(model, mesh=mesh, model_path=path, **kw)
+
+    def _place_caches(self, abstract):
+        if self.mesh is None:
+            return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract)
+        from ptrain.parallel.sharding import DEFAULT_RULES, logical_to_spec
+
+        def one(a):
+            names = (None,) * (a.ndim - 2) + ("kv_heads", "head_dim")
+            spec = logical_to_spec(names, a.shape, self.mesh, self._rules or DEFAULT_RULES)
+            return jax.device_put(jnp.zeros(a.shape, a.dtype), jax.sharding.NamedSharding(self.mesh, spec))
+
+        return jax.tree.map(one, abstract)
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def weight_version(self) -> str:
+        return self._weight_version
+
+    def submit(self, request: GenerateRequest, on_update=None) -> concurrent.futures.Future:
+        """Queue a request (RolloutEngine.submit). Raises RequestError for a request this
+        engine can never serve, with the field and the limit named."""
+        req = self._validate(request)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        sp = req.sampling
+        with self._lock:
+            seed = sp.sampling_seed if sp.sampling_seed is not None else int(self._seeds.integers(0, 2**31 - 1))
+        stop = set(sp.stop_token_ids)
+        if not sp.ignore_eos:
+            stop.update(self.eos_token_ids)
+        room = self.context_length - len(req.input_ids)
+        item = _Request(
+            request=req,
+            rid=req.rid,
+            future=future,
+            on_update=on_update,
+            submit_time=time.time(),
+            seed=seed,
+            stop_ids=frozenset(stop),
+            max_new_tokens=min(sp.max_new_tokens, room),
+        )
+        item.samples = [_SampleState(item, j) for j in range(sp.n)]
+        with self._lock:
+            if self._closed or self._failure is not None:
+                raise EngineClosed(self._closed_message())
+            if item.rid in self._requests:
+                raise RequestError(f"rid {item.rid!r} is already in flight; give each request its own rid")
+            self._requests[item.rid] = item
+            self._queue.append(item)
+            self._lock.notify()
+        return future
+
+    def abort(self, rid: str | None = None) -> int:
+        """End request `rid` (all its samples), sample `rid-j`, or every request when None;
+        queued ones end with no tokens. Returns the number of samples ended."""
+        return self._call(lambda: self._abort(rid, "aborted by request"))
+
+    def update_weights(self, params, model_state=None, *, weight_version: str | None = None,
+                       mode: str = "drain") -> str:  # fmt: skip
+        """Swap in new weights (pure-dict params like `TrainState.params`, same structure,
+        shapes and dtypes; placed like the served ones). Blocks until swapped; returns the
+        new version. `mode`: drain | abort | in_place (module docstring)."""
+        if mode not in SWAP_MODES:
+            raise ValueError(f"mode={mode!r}: pass one of {SWAP_MODES}")
+        params = self._checked_params(params, self._params, "params")
+        if model_state is not None:
+            model_state = self._checked_params(model_state, self._model_state, "model_state")
+        version = str(weight_version) if weight_version is not None else str(self._updates + 1)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def request_swap():
+            if mode == "abort":
+                self._abort(None, "aborted for a weight update", queued=False)
+            if mode == "in_place" or not any(self._row_state == ACTIVE):
+                self._swap(params, model_state, version)
+                done.set_result(version)
+            else:
+                self._pending_swap = (params, model_state, version, done)
+
+        self._call(request_swap)
+        return done.result()
+
+    def update_weights_from_disk(self, path: str, *, weight_version: str | None = None,
+                                 abort_all_requests: bool = False, flush_cache: bool = True) -> str:  # fmt: skip
+        """Load a Hugging Face folder, check it against the served model (config, every
+        tensor's name, shape and dtype), and swap it in (drain, or abort with
+        abort_all_requests). WeightsError names the problem; the old weights keep serving.
+        Idle prefix-cache rows are always dropped (they hold the old weights' keys), so
+        `flush_cache` has nothing further to do here. Returns the new version."""
+        del flush_cache
+        from ptrain.models import load_hf
+
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise WeightsError(f"{path}: no config.json; pass a Hugging Face folder exported by the trainer")
+        m = self.cfg
+        try:
+            model = load_hf(path, dtype=m.dtype, param_dtype=m.param_dtype, mesh=self.mesh, rules=self._rules,
+                            scan_layers=m.scan_layers, moe_implementation=m.moe_implementation)  # fmt: skip
+        except (ValueError, KeyError, OSError) as e:
+            raise WeightsError(f"{path}: {e}") from None
+        new = model.cfg
+        fields = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "n_experts",
+                  "top_k", "d_ff_expert", "tie_embeddings", "qkv_bias", "qk_norm")  # fmt: skip
+        diff = [
+            f"{f}: served {getattr(m, f)}, new {getattr(new, f)}" for f in fields if getattr(m, f) != getattr(new, f)
+        ]
+        if diff:
+            raise WeightsError(f"{path}: a different architecture than the served model ({'; '.join(diff)})")
+        from ptrain.train.state import split_model
+
+        _, params, model_state = split_model(model)
+        version = self.update_weights(
+            params, model_state or None, weight_version=weight_version, mode="abort" if abort_all_requests else "drain"
+        )
+        self.model_path = path
+        return version
+
+    def flush_cache(self) -> bool:
+        """Drop every prefix-cache entry; False (nothing dropped) while requests run or wait."""
+
+        def flush():
+            if self._queue or any(self._row_state == ACTIVE):
+                return False
+            self._row_state[:] = FREE
+            for r in range(self.max_running_requests):
+                self._row_tokens[r] = np.zeros(0, np.int32)
+            return True
+
+        return self._call(flush)
+
+    def pause(self, mode: str = "abort") -> None:
+        """Stop generating: "abort" ends running and queued requests (partial tokens);
+        "retract" and "in_place" keep them, with their cache rows, until `resume`."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode={mode!r}: pass one of {PAUSE_MODES}")
+
+        def do():
+            if mode == "abort":
+                self._abort(None, "aborted by pause_generation")
+            self._paused = True
+
+        self._call(do)
+
+    def resume(self) -> None:
+        def do():
+            self._paused = False
+
+        self._call(do)
+
+    def load(self) -> dict[str, int]:
+        with self._lock:
+            queued = sum(len(r.samples) for r in self._queue)
+        return {"running": int(np.sum(self._row_state == ACTIVE)), "queued": queued}
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "model_path": self.model_path,
+            "vocab_size": self.vocab_size,
+            "context_length": self.context_length,
+            "max_running_requests": self.max_running_requests,
+            "weight_version": self._weight_version,
+            "kv_cache_bytes": self.kv_cache_bytes,
+            "paused": self._paused,
+        }
+
+    def close(self) -> None:
+        """Stop the engine thread; unfinished requests end with finish_reason abort."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._lock.notify_all()
+        self._thread.join(timeout=60)
+
+    # ------------------------------------------------------------------ validation
+
+    def _validate(self, request: GenerateRequest) -> GenerateRequest:
+        if not isinstance(request, GenerateRequest):
+            raise RequestError(f"submit takes a GenerateRequest, got {type(request).__name__}")
+        ids = request.input_ids
+        if len(ids) == 0:
+            raise RequestError("input_ids: the prompt is empty; send at least one token")
+        arr = np.asarray(ids)
+        if arr.dtype.kind not in "iu":
+            raise RequestError("input_ids: must be integers")
+        bad = arr[(arr < 0) | (arr >= self.vocab_size)]
+        if bad.size:
+            raise RequestError(
+                f"input_ids: token id(s) {sorted(set(bad.tolist()))[:5]} outside the vocabulary [0, {self.vocab_size})"
+            )
+        if len(ids) >= self.context_length:
+            raise RequestError(
+                f"input_ids: the prompt has {len(ids)} tokens, but the context length is {self.context_length} "
+                f"(prompt + output); shorten the prompt or start the engine with a longer context length"
+            )
+        sp = request.sampling
+        sp.validate(self.vocab_size)
+        if sp.n > self.max_running_requests:
+            raise RequestError(
+                f"sampling_params.n={sp.n} exceeds max_running_requests={self.max_running_requests}; the n samples "
+                "of a prompt run at once: lower n or raise max_running_requests"
+            )
+        k = request.return_prompt_logprobs_from
+        if k is not None and not 0 <= k < len(ids):
+            raise RequestError(f"logprob_start_len={k} must be in [0, prompt length {len(ids)})")
+        if not request.rid:
+            request = dataclasses.replace(request, rid=uuid.uuid4().hex)
+        return request
+
+    def _checked_params(self, new, old, what: str):
+        new_leaves, new_def = jax.tree_util.tree_flatten_with_path(new)
+        old_leaves, old_def = jax.tree_util.tree_flatten_with_path(old)
+        if new_def != old_def:
+            new_names = {jax.tree_util.keystr(p) for p, _ in new_leaves}
+            old_names = {jax.tree_util.keystr(p) for p, _ in old_leaves}
+            raise WeightsError(
+                f"{what}: different tensors than the served model (missing {sorted(old_names - new_names)[:5]}, "
+                f"unexpected {sorted(new_names - old_names)[:5]})"
+            )
+        problems = []
+        for (path, a), (_, b) in zip(new_leaves, old_leaves):
+            if tuple(a.shape) != tuple(b.shape) or jnp.dtype(a.dtype) != jnp.dtype(b.dtype):
+                problems.append(
+                    f"{jax.tree_util.keystr(path)}: {a.dtype}{list(a.shape)}, served {b.dtype}{list(b.shape)}"
+                )
+        if problems:
+            raise WeightsError(f"{what}: {len(problems)} tensors differ from the served model, e.g. {problems[:3]}")
+        return jax.tree.map(lambda a, b: jax.device_put(a, b.sharding), new, old)
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _closed_message(self) -> str:
+        if self._failure is not None:
+            return f"the engine thread failed: {self._failure!r}; create a new engine"
+        return "the engine is closed"
+
+    def _call(self, fn):
+        """Run fn on the engine thread (between device calls) and return its result."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._closed or self._failure is not None:
+                raise EngineClosed(self._closed_message())
+            self._commands.append((fn, future))
+            self._lock.notify()
+        return future.result()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while not (
+                        self._closed
+                        or self._commands
+                        or (self._queue and not self._paused and self._pending_swap is None)
+                        or (not self._paused and any(self._row_state == ACTIVE))
+                        or (self._pending_swap is not None and not any(self._row_state == ACTIVE))
+                    ):
+                        self._lock.wait()
+                    if self._closed:
+                        break
+                    commands = list(self._commands)
+                    self._commands.clear()
+                for fn, future in commands:
+                    try:
+                        future.set_result(fn())
+                    except BaseException as e:  # the caller sees the command's own error
+                        future.set_exception(e)
+                if self._pending_swap is not None and not any(self._row_state == ACTIVE):
+                    params, model_state, version, done = self._pending_swap
+                    self._pending_swap = None
+                    self._swap(params, model_state, version)
+                    done.set_result(version)
+                if self._paused:
+                    continue
+                if self._pending_swap is None:
+                    self._admit()
+                if any(self._row_state == ACTIVE):
+                    self._decode_step()
+        except BaseException as e:
+            log.error("ptrain LocalEngine thread failed:\n%s", traceback.format_exc())
+            self._failure = e
+        finally:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        with self._lock:
+            self._closed = True
+            commands = list(self._commands)
+            self._commands.clear()
+        for _, future in commands:
+            future.set_exception(EngineClosed(self._closed_message()))
+        if self._pending_swap is not None:
+            self._pending_swap[3].set_exception(EngineClosed(self._closed_message()))
+            self._pending_swap = None
+        message = "engine closed" if self._failure is None else f"engine failed: {self._failure!r}"
+        try:
+            self._abort(None, message)
+        except Exception:  # a half-failed device state must not keep futures pending
+            for req in list(self._requests.values()):
+                if not req.future.done():
+                    req.future.set_exception(EngineClosed(self._closed_message()))
+
+    # ------------------------------------------------------------------ state changes (engine thread)
+
+    def _swap(self, params, model_state, version: str) -> None:
+        self._params = params
+        if model_state is not None:
+            self._model_state = model_state
+        self._weight_version = version
+        self._updates += 1
+        for r in range(self.max_running_requests):
+            if self._row_state[r] == IDLE:
+                self._row_state[r] = FREE
+                self._row_tokens[r] = np.zeros(0, np.int32)
+            elif self._row_state[r] == ACTIVE:
+                s = self._row_sample[r]
+                s.spans.append([version, len(s.output)])
+
+    def _abort(self, rid: str | None, message: str, *, queued: bool = True) -> int:
+        """Finish the named request or sample (every one when rid is None) with abort;
+        queued=False leaves requests that are still waiting alone. Engine thread only."""
+        reason = FinishReason("abort", message=message)
+        with self._lock:
+            if rid is None:
+                pairs = [(r, s) for r in self._requests.values() for s in r.samples]
+            elif rid in self._requests:
+                pairs = [(self._requests[rid], s) for s in self._requests[rid].samples]
+            else:
+                base, _, j = rid.rpartition("-")
+                req = self._requests.get(base)
+                ok = req is not None and j.isdigit() and int(j) < len(req.samples)
+                pairs = [(req, req.samples[int(j)])] if ok else []
+            if not queued:
+                pairs = [(r, s) for r, s in pairs if r.admit_time]
+        n = 0
+        touched: dict[int, _Request] = {}
+        for req, sample in pairs:
+            if sample.finish is None:
+                self._finish(sample, reason)
+                n += 1
+            touched[id(req)] = req
+        for req in touched.values():
+            if all(x.finish is not None for x in req.samples):
+                with self._lock:
+                    if req in self._queue:
+                        self._queue.remove(req)
+            self._maybe_resolve(req)
+        return n
+
+    def _finish(self, s: _SampleState, reason: FinishReason) -> None:
+        s.finish = reason
+        s.end_time = time.time()
+        if s.row >= 0:
+            r = s.row
+            self._row_state[r] = IDLE
+            self._row_sample[r] = None
+            self._pos[r] = self.context_length
+            # KV is valid for every token fed: the prompt and all outputs but the last.
+            fed = (
+                list(s.request.request.input_ids) + s.output[:-1]
+                if s.output
+                else list(s.request.request.input_ids[:-1])
+            )
+            self._row_tokens[r] = np.asarray(fed, np.int32)
+            self._row_used[r] = time.time()
+            s.row = -1
+
+    def _maybe_resolve(self, req: _Request) -> None:
+        if all(s.finish is not None for s in req.samples) and not req.future.done():
+            with self._lock:
+                self._requests.pop(req.rid, None)
+            req.future.set_result([s.to_sample(self._weight_version) for s in req.samples])
+
+    # ------------------------------------------------------------------ admission and prefill
+
+    def _lcp_row(self, prompt: np.ndarray, limit: int) -> tuple[int, int]:
+        """(row, length) of the row sharing the longest prefix with prompt[:limit]; (-1, 0) if none."""
+        best, best_len = -1, 0
+        for r in range(self.max_running_requests):
+            toks = self._row_tokens[r]
+            if self._row_state[r] == FREE or toks.size == 0:
+                continue
+            m = min(limit, toks.size)
+            if m <= best_len:
+                continue
+            neq = np.nonzero(toks[:m] != prompt[:m])[0]
+            c = int(neq[0]) if neq.size else m
+            if c > best_len:
+                best, best_len = r, c
+        return best, best_len
+
+    def _take_rows(self, n: int, keep: int) -> list[int] | None:
+        """n rows for new samples: free rows (lowest first), then idle ones (least recently
+        used first), never `keep`. None when fewer than n are available."""
+        free = [r for r in range(self.max_running_requests) if self._row_state[r] == FREE and r != keep]
+        idle = sorted(
+            (r for r in range(self.max_running_requests) if self._row_state[r] == IDLE and r != keep),
+            key=lambda r: self._row_used[r],
+        )
+        rows = (free + idle)[:n]
+        return rows if len(rows) == n else None
+
+    def _admit(self) -> None:
+        budget = self.max_prefill_tokens
+        admitted = 0
+        while True:
+            with self._lock:
+                if not self._queue:
+                    return
+                req = self._queue[0]
+            pending = [x for x in req.samples if x.finish is None]
+            n = len(pending)
+            prompt = np.asarray(req.request.input_ids, np.int32)
+            L = prompt.size
+            want_lp = req.request.return_prompt_logprobs_from is not None
+            src, c = (-1, 0) if want_lp else self._lcp_row(prompt, L - 1)
+            if admitted and L - 1 - c > budget:
+                return
+            claim_src = src >= 0 and self._row_state[src] == IDLE
+            rows = self._take_rows(n - 1 if claim_src else n, keep=src if claim_src else -1)
+            if rows is None:
+                return  # waits for rows; running samples free them
+            if claim_src:
+                rows = [src] + rows
+            with self._lock:
+                self._queue.popleft()
+            req.admit_time = time.time()
+            first = rows[0]
+            if src >= 0 and src != first:
+                self._caches = self._copy_fn(self._caches, jnp.int32(src), jnp.int32(first))
+            self._prefill(req, first, prompt, c)
+            for r in rows[1:]:
+                self._caches = self._copy_fn(self._caches, jnp.int32(first), jnp.int32(r))
+            sp = req.request.sampling
+            keys = np.asarray(base_keys(jax.random.key(req.seed), len(req.samples)))
+            for j, (s, r) in enumerate(zip(pending, rows)):
+                s.row = r
+                s.cached_tokens = c if j == 0 else L - 1
+                s.spans = [[self._weight_version, 0]]
+                self._row_state[r] = ACTIVE
+                self._row_sample[r] = s
+                self._row_tokens[r] = prompt[:-1]
+                self._row_used[r] = time.time()
+                self._tok[r] = prompt[-1]
+                self._pos[r] = L - 1
+                self._t[r] = 0
+                self._keys[r] = keys[s.index]
+                self._temp[r] = sp.temperature
+                self._top_k[r] = sp.top_k if 0 < sp.top_k < self.vocab_size else 0
+                self._top_p[r] = sp.top_p
+                self._min_p[r] = sp.min_p
+            self.stats["prefill_tokens"] += L - 1 - c
+            self.stats["cached_tokens"] += c + (n - 1) * (L - 1)
+            budget -= L - 1 - c
+            admitted += 1
+            if req.max_new_tokens <= 0:
+                for s in pending:
+                    self._finish(s, FinishReason("length", length=0))
+                self._maybe_resolve(req)
+
+    def _prefill(self, req: _Request, row: int, prompt: np.ndarray, start: int) -> None:
+        """Keys and values of prompt[start : L-1] into `row` (chunked); prompt log-probs if asked."""
+        L = prompt.size
+        end = L - 1
+        k = req.request.return_prompt_logprobs_from
+        temperature = jnp.float32(req.request.sampling.temperature)
+        lps: list[np.ndarray] = []
+        pos = start
+        while pos < end:
+            n_valid = min(end - pos, self.prefill_chunk)
+            M = _bucket(n_valid, 16, self.prefill_chunk)
+            M = min(M, self.context_length - pos)  # the chunk must fit the row
+            key_len = _bucket(pos + n_valid, 16, self.context_length)
+            tokens = np.zeros((1, M), np.int32)
+            tokens[0, :n_valid] = prompt[pos : pos + n_valid]
+            targets = np.zeros((1, M), np.int32)
+            targets[0, :n_valid] = prompt[pos + 1 : pos + 1 + n_valid]
+            self._caches, lp = self._extend_fn(
+                self._model_def, self._params, self._model_state, self._caches, jnp.int32(row), jnp.asarray(tokens),
+                jnp.int32(pos), jnp.int32(n_valid), jnp.asarray(targets), temperature, key_len=key_len,
+                with_logprobs=k is not None,
+            )  # fmt: skip
+            if lp is not None:
+                lps.append(np.asarray(lp)[:n_valid])
+            pos += n_valid
+        if k is not None:
+            # lps[i] is the log-prob of prompt[i + 1]; keep tokens max(k, 1) .. L - 1
+            allp = np.concatenate(lps) if lps else np.zeros(0, np.float32)
+            req.prompt_logprobs = tuple(float(x) for x in allp[max(k, 1) - 1 :])
+
+    # ------------------------------------------------------------------ decoding
+
+    def _decode_step(self) -> None:
+        active = np.nonzero(self._row_state == ACTIVE)[0]
+        B = _bucket(int(active.max()) + 1, 1, self.max_running_requests)
+        steps = self.decode_steps
+        key_len = _bucket(int(self._pos[active].max()) + steps, 16, self.context_length)
+        self._caches, tok, lp, slp = self._decode_fn(
+            self._model_def, self._params, self._model_state, self._caches, jnp.asarray(self._tok[:B]),
+            jnp.asarray(self._pos[:B]), jnp.asarray(self._t[:B]), jnp.asarray(self._keys[:B]),
+            jnp.asarray(self._temp[:B]), jnp.asarray(self._top_k[:B]), jnp.asarray(self._top_p[:B]),
+            jnp.asarray(self._min_p[:B]), steps=steps, key_len=key_len,
+        )  # fmt: skip
+        tok, lp, slp = np.asarray(tok), np.asarray(lp), np.asarray(slp)
+        self.stats["decode_calls"] += 1
+        now = time.time()
+        touched: dict[int, _Request] = {}
+        for r in active:
+            s = self._row_sample[r]
+            req = s.request
+            taken = 0
+            for i in range(steps):
+                token = int(tok[i, r])
+                s.output.append(token)
+                s.logprobs.append(float(lp[i, r]))
+                s.sampling_logprobs.append(float(slp[i, r]))
+                taken += 1
+                if not s.first_token_time:
+                    s.first_token_time = now
+                if token in req.stop_ids:
+                    self._finish(s, FinishReason("stop", matched=token))
+                    break
+                if len(s.output) >= req.max_new_tokens:
+                    self._finish(s, FinishReason("length", length=len(s.output)))
+                    break
+            self.stats["output_tokens"] += taken
+            if s.finish is None:
+                self._tok[r] = s.output[-1]
+                self._pos[r] += steps
+                self._t[r] += steps
+                self._row_used[r] = now
+            touched[id(req)] = req
+        for req in touched.values():
+            if req.on_update is not None and not req.future.done():
+                try:
+                    req.on_update([s.to_sample(self._weight_version) for s in req.samples])
+                except Exception:  # a caller's callback must not stop the engine
+                    log.exception("on_update callback of request %s raised", req.rid)
+            self._maybe_resolve(req)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def eos_ids_of(path: str) -> tuple[int, ...]:
+    """End-of-sequence ids of a Hugging Face folder: generation_config.json, else config.json."""
+    for name in ("generation_config.json", "config.json"):
+        p = os.path.join(path, name)
+        if os.path.isfile(p):
+            try:
+                with open(p) as f:
+                    eos = json.load(f).get("eos_token_id")
+            except (OSError, ValueError):
+                continue
+            if eos is None:
+                continue
+            return tuple(int(i) for i in (eos if isinstance(eos, list) else [eos]))
+    return ()
+
+
+def tensor_parallel_mesh(tp_size: int):
+    """A (data, fsdp, tensor, expert) mesh with the weights split over `tp_size` devices."""
+    from ptrain.config.train import MeshConfig
+    from ptrain.parallel import make_mesh
+
+    n = jax.device_count()
+    if tp_size < 1 or n % tp_size:
+        raise ValueError(f"tp_size={tp_size} must divide the {n} devices here")
+    return make_mesh(MeshConfig(data=n // tp_size, tensor=tp_size))
