@@ -296,7 +296,14 @@ class LocalEngine(EngineBase):
         self.mesh = mesh
         self._rules = rules
         self._model_def, params, model_state = split_model(model)
-        self._params, self._model_state = params, model_state
+        # Committed placement from the start: jit keys its cache on whether arguments are
+        # committed to devices, and swapped-in weights always are.
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+        def commit(x):
+            return jax.device_put(x, device if mesh is None else x.sharding)
+
+        self._params, self._model_state = jax.tree.map(commit, params), jax.tree.map(commit, model_state)
         self._weight_version = str(weight_version)
         self._updates = 0
         self._seeds = np.random.default_rng(seed)
@@ -359,7 +366,8 @@ class LocalEngine(EngineBase):
 
     def _place_caches(self, abstract):
         if self.mesh is None:
-            return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract)
+            device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            return jax.tree.map(lambda a: jax.device_put(jnp.zeros(a.shape, a.dtype), device), abstract)
         from ptrain.parallel.sharding import DEFAULT_RULES, logical_to_spec
 
         def one(a):
