@@ -160,8 +160,10 @@ class GenerateRequest:
     """Request id, unique among requests in flight (the engine makes one when empty);
     sample j of a request with n > 1 answers to `rid` and to `f"{rid}-{j}"` in abort."""
     return_prompt_logprobs_from: int | None = None
-    """None: no prompt log-probs. k >= 0: log-probs of prompt tokens k+1.. given the tokens
-    before them (SGLang's logprob_start_len); such a request is prefilled in full."""
+    """None: no prompt log-probs. k >= 0 (SGLang's logprob_start_len): log-probs of prompt
+    tokens max(k, 1) .. L-1, each given the tokens before it, under the same tempered softmax
+    as the output log-probs (the first token has none). Such a request is prefilled in full
+    (no prefix-cache reuse)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "input_ids", tuple(self.input_ids))
@@ -218,7 +220,7 @@ class Sample:
     """Prompt tokens whose keys and values came from the prefix cache (not recomputed)."""
     prompt_logprobs: tuple[float, ...] | None = None
     """With GenerateRequest.return_prompt_logprobs_from = k: log-probs of prompt tokens
-    k+1.. (k = 0: all but the first)."""
+    max(k, 1) .. L-1 (k = 0 or 1: all but the first)."""
     queue_time_s: float = 0.0
     """Seconds from submission to admission (prefill start)."""
     first_token_time_s: float = 0.0
