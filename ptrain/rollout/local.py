@@ -296,12 +296,13 @@ class LocalEngine(EngineBase):
         self.mesh = mesh
         self._rules = rules
         self._model_def, params, model_state = split_model(model)
-        # Committed placement from the start: jit keys its cache on whether arguments are
+        # The engine owns its weights (a copy: a trainer may donate its own buffers to the next
+        # step), placed committed from the start: jit keys its cache on whether arguments are
         # committed to devices, and swapped-in weights always are.
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
         def commit(x):
-            return jax.device_put(x, device if mesh is None else x.sharding)
+            return jax.device_put(x, device if mesh is None else x.sharding, may_alias=False)
 
         self._params, self._model_state = jax.tree.map(commit, params), jax.tree.map(commit, model_state)
         self._weight_version = str(weight_version)
@@ -424,8 +425,10 @@ class LocalEngine(EngineBase):
     def update_weights(self, params, model_state=None, *, weight_version: str | None = None,
                        mode: str = "drain") -> str:  # fmt: skip
         """Swap in new weights (pure-dict params like `TrainState.params`, same structure,
-        shapes and dtypes; placed like the served ones). Blocks until swapped; returns the
-        new version. `mode`: drain | abort | in_place (module docstring)."""
+        shapes and dtypes), copied onto the served weights' placement, so the caller may
+        donate or change its own arrays afterwards. Blocks until swapped; returns the new
+        version. `mode`: drain | abort | in_place (module docstring). Not from an
+        `on_update` callback except with mode="in_place"."""
         if mode not in SWAP_MODES:
             raise ValueError(f"mode={mode!r}: pass one of {SWAP_MODES}")
         params = self._checked_params(params, self._params, "params")
@@ -591,7 +594,7 @@ class LocalEngine(EngineBase):
                 )
         if problems:
             raise WeightsError(f"{what}: {len(problems)} tensors differ from the served model, e.g. {problems[:3]}")
-        return jax.tree.map(lambda a, b: jax.device_put(a, b.sharding), new, old)
+        return jax.tree.map(lambda a, b: jax.device_put(a, b.sharding, may_alias=False), new, old)
 
     # ------------------------------------------------------------------ engine thread
 
