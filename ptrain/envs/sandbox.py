@@ -471,6 +471,7 @@ class _Launch:
     cwd: str
     info_fd: int = -1  # read end of bwrap's --info-fd pipe
     env: dict[str, str] | None = None  # overrides of the sandbox environment
+    killed_cpu_s: float = 0.0  # CPU time of the tree read just before the sandbox killed it
     cleanup: list = dataclasses.field(default_factory=list)
 
     def close(self) -> None:
@@ -518,13 +519,14 @@ class _Backend:
         self.root = os.geteuid() == 0
         self.prlimit = _which("prlimit")
         self.setpriv = _which("setpriv") if self.root else None
+        self.sh = _which("sh")
         if not self.prlimit:
             raise SandboxUnavailableError("no prlimit (util-linux) on PATH: install util-linux")
         if self.root and not self.setpriv:
             raise SandboxUnavailableError("no setpriv (util-linux) on PATH: install util-linux")
         self.binds, self.links = _host_view(cfg)
         visible = [dst for _, dst in self.binds]
-        for helper in (self.prlimit, self.setpriv):
+        for helper in (self.prlimit, self.setpriv, self.sh):
             if helper and not _covered(os.path.realpath(helper), visible) and not _covered(helper, visible):
                 raise SandboxUnavailableError(
                     f"{helper} is not inside the sandbox's view (sandbox.ro_paths); add its folder"
@@ -578,6 +580,9 @@ class _Bwrap(_Backend):
             "sandbox",
             "--die-with-parent",
             "--new-session",
+            # PID 1 is a shell of ours rather than bwrap's own init: bwrap's init hands the
+            # exit status over without being waited for, which loses the tree's CPU time.
+            "--as-pid-1",
         ]
         if self.root:
             # Privileged mode (no user namespace); setpriv needs these two to drop to the uid.
@@ -613,13 +618,18 @@ class _Bwrap(_Backend):
         launch = _Launch(argv, fds + [info_w], "/", info_fd=info_r)
         launch.cleanup.append(lambda: os.close(info_r))
         launch.cleanup.append(lambda: os.close(info_w))
-        argv += self.tail + ["--info-fd", str(info_w), "--"]
+        argv += self.tail + ["--info-fd", str(info_w), "--"] + self.pid1_args()
         if self.root:
             uid, lock_fd = self.uids.acquire()
             launch.cleanup.append(lambda: os.close(lock_fd))
             argv += self.drop_args(uid)
         argv += _prlimit_args(self.prlimit, self.cfg) + cmd
         return launch
+
+    def pid1_args(self) -> list[str]:
+        """The shell that is PID 1: it waits for the command (reaping orphans meanwhile), so
+        the tree's CPU time reaches bwrap's rusage, and exits with the command's status."""
+        return [self.sh, "-c", '"$@"; exit $?', "sh"]
 
     def find_pid1(self, outer_pid: int, launch: _Launch) -> int | None:
         try:
@@ -1113,7 +1123,10 @@ class Sandbox:
             proc.stdout.close()
             proc.stderr.close()
         code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
+        if killed_by:
+            code = 128 + signal.SIGKILL  # whatever the outer process made of its PID 1's death
         cpu_s = usage.ru_utime + usage.ru_stime if usage is not None else 0.0
+        cpu_s = max(cpu_s, launch.killed_cpu_s)
         stderr = err.value()
         return SandboxResult(
             exit_code=code,
@@ -1139,6 +1152,9 @@ class Sandbox:
                     os.close(pidfd)  # already gone and its pid reused: not ours
                     pidfd = -1
                 else:
+                    # The kernel reaps a killed namespace without charging its CPU time to
+                    # anyone we can wait for, so it is read from /proc first.
+                    launch.killed_cpu_s = _tree_cpu_s(pid1)
                     signal.pidfd_send_signal(pidfd, signal.SIGKILL)
             except (OSError, AttributeError):
                 pass
@@ -1146,12 +1162,41 @@ class Sandbox:
             # The outer process reaps PID 1 and exits with its status, keeping cpu_s whole.
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(watch.done), 1.0)
+        if pidfd < 0:
+            launch.killed_cpu_s = _tree_cpu_s(outer_pid)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(outer_pid, signal.SIGKILL)
         if pidfd >= 0:
             if wait:
                 await _wait_fd_readable(pidfd, _TEARDOWN_WAIT_S)
             os.close(pidfd)
+
+
+def _tree_cpu_s(root_pid: int) -> float:
+    """CPU seconds of a live process tree: each process's own time plus that of the children
+    it has reaped (a running process's time is in no one's children's time yet)."""
+    parents: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        pid = int(entry.name)
+        parents[pid] = int(fields[1])
+        ticks[pid] = sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parents.items():
+        children.setdefault(ppid, []).append(pid)
+    total, todo = 0, [root_pid]
+    while todo:
+        pid = todo.pop()
+        total += ticks.get(pid, 0)
+        todo.extend(children.get(pid, ()))
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def _parent_of(pid: int) -> int | None:
