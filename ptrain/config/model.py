@@ -7,7 +7,7 @@ Hugging Face importer maps each family's config.json onto them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -79,6 +79,12 @@ class ModelConfig:
     """Groups each token may draw experts from."""
     first_k_dense: int = 0
     """The first k layers use a dense MLP (DeepSeek-V3: 3)."""
+    dense_layers: list[int] = field(default_factory=list)
+    """Indices (0-based) of further layers with a dense MLP (Qwen3-MoE `mlp_only_layers`)."""
+    moe_layer_step: int = 1
+    """MoE only on layers i with (i + 1) % moe_layer_step == 0, the others dense (Qwen3-MoE
+    `decoder_sparse_step`); >= 1. A layer is MoE when it passes all three: i >= first_k_dense,
+    i not in dense_layers, and this step."""
     router_aux_loss_coef: float = 0.0
     """Weight of the Switch-style load-balancing loss added to the training loss."""
     router_bias_update_rate: float = 0.0

@@ -5,11 +5,21 @@ MoE (Qwen3-MoE, Mixtral, DeepSeek-V3-style routing) families.
     logits_BxLxV = model(input_ids_BxL, positions_BxL, segment_ids_BxL)
     logits_BxLxV, aux = model(input_ids_BxL, return_aux=True)   # aux: ModelAux
 
-Layers come in two groups: `dense_blocks` (all layers of a dense model; the first
-`first_k_dense` layers of an MoE model) and `moe_blocks`. With `cfg.scan_layers` each
-group is one stacked module (leading layer axis, logical name None) run by `nnx.scan`;
-otherwise a list run by a Python loop. The forward pass is pure given the module state:
-no RNG, no dropout, no mutation.
+Layers come in groups: each run of consecutive layers with the same MLP kind (dense or
+MoE, per `moe_layer_flags`) is one group, held in the attribute `dense_blocks` /
+`moe_blocks` for the first run of its kind and `dense_blocks_1`, `moe_blocks_1`, ... for
+later ones (`layer_groups`). A dense model is one `dense_blocks` group; a DeepSeek-style
+model `dense_blocks` then `moe_blocks`; Qwen3-MoE with `mlp_only_layers` or
+`decoder_sparse_step` alternates. With `cfg.scan_layers` each group is one stacked module
+(leading layer axis, logical name None) run by `nnx.scan`; otherwise a list run by a
+Python loop. The forward pass is pure given the module state: no RNG, no dropout, no
+mutation.
+
+Expert parallelism: `Decoder(cfg, rngs=..., mesh=mesh, rules=rules)` (what `load_hf(...,
+mesh=)` does) hands the mesh to every MoE block when the rules put the logical `expert`
+axis on a mesh axis of size > 1; the block then dispatches tokens to the devices holding
+their experts with all-to-all (`ptrain.kernels.moe.expert_parallel`). Without a mesh the
+model names logical axes only, and any sharding of the experts is left to XLA.
 """
 
 from __future__ import annotations
@@ -87,6 +97,11 @@ def validate_config(cfg: ModelConfig) -> None:
                 0 <= cfg.first_k_dense <= cfg.n_layers,
                 f"model.first_k_dense={cfg.first_k_dense} must be in [0, n_layers]",
             ),
+            (
+                all(isinstance(i, int) and 0 <= i < cfg.n_layers for i in cfg.dense_layers),
+                f"model.dense_layers={list(cfg.dense_layers)} must hold layer indices in [0, n_layers={cfg.n_layers})",
+            ),
+            (cfg.moe_layer_step >= 1, f"model.moe_layer_step={cfg.moe_layer_step} must be >= 1"),
         ]
     for ok, msg in checks:
         if not ok:
@@ -94,10 +109,53 @@ def validate_config(cfg: ModelConfig) -> None:
     rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)  # raises on an unsupported rope type
 
 
+def moe_layer_flags(cfg: ModelConfig) -> tuple[bool, ...]:
+    """Per layer, whether its MLP is MoE: never in a dense model; in an MoE model layer i is
+    MoE when i >= first_k_dense, i is not in dense_layers and (i + 1) % moe_layer_step == 0
+    (the rule of transformers' Qwen3MoeDecoderLayer, plus DeepSeek's first dense layers)."""
+    if not cfg.is_moe:
+        return (False,) * cfg.n_layers
+    dense = set(cfg.dense_layers)
+    return tuple(
+        i >= cfg.first_k_dense and i not in dense and (i + 1) % cfg.moe_layer_step == 0 for i in range(cfg.n_layers)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerGroup:
+    """A run of consecutive layers with the same MLP kind.
+
+    name: the Decoder attribute holding it (`dense_blocks`, `moe_blocks`, `dense_blocks_1`, ...);
+    cache_key: its entry in the `init_cache` dict (`dense`, `moe`, `dense_1`, ...);
+    moe: MoE or dense MLP; start: index of its first layer; n: number of layers.
+    """
+
+    name: str
+    cache_key: str
+    moe: bool
+    start: int
+    n: int
+
+
+def layer_groups(cfg: ModelConfig) -> tuple[LayerGroup, ...]:
+    """The model's layer groups in layer order (see the module docstring)."""
+    groups: list[LayerGroup] = []
+    seen = {False: 0, True: 0}
+    for i, moe in enumerate(moe_layer_flags(cfg)):
+        if groups and groups[-1].moe == moe:
+            groups[-1] = dataclasses.replace(groups[-1], n=groups[-1].n + 1)
+            continue
+        kind = "moe" if moe else "dense"
+        suffix = f"_{seen[moe]}" if seen[moe] else ""
+        seen[moe] += 1
+        groups.append(LayerGroup(f"{kind}_blocks{suffix}", f"{kind}{suffix}", moe, i, 1))
+    return tuple(groups)
+
+
 class Block(nnx.Module):
     """Pre-norm decoder block: x += attn(norm(x)); x += mlp(norm(x)) with a dense or MoE MLP."""
 
-    def __init__(self, cfg: ModelConfig, moe: bool, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, moe: bool, *, rngs: nnx.Rngs, ep_mesh=None, expert_axis: str | None = None):
         pd = as_dtype(cfg.param_dtype)
         norm_kw = dict(eps=cfg.rms_norm_eps, axis_name="embed", param_dtype=pd, rngs=rngs)
         self.attn_norm = RMSNorm(cfg.d_model, **norm_kw)
@@ -107,7 +165,7 @@ class Block(nnx.Module):
         if moe:
             from ptrain.models.moe import MoE
 
-            self.mlp = MoE(cfg, rngs=rngs)
+            self.mlp = MoE(cfg, rngs=rngs, ep_mesh=ep_mesh, expert_axis=expert_axis)
         else:
             self.mlp = MLP(cfg.d_model, cfg.d_ff, cfg, rngs=rngs)
 
@@ -123,16 +181,14 @@ class Block(nnx.Module):
         return x + h, new_cache, lb_loss, load
 
 
-def _make_group(cfg: ModelConfig, moe: bool, n: int, rngs: nnx.Rngs):
-    if n == 0:
-        return None
+def _make_group(cfg: ModelConfig, moe: bool, n: int, rngs: nnx.Rngs, **ep):
     if not cfg.scan_layers:
-        return nnx.List([Block(cfg, moe, rngs=rngs) for _ in range(n)])
+        return nnx.List([Block(cfg, moe, rngs=rngs, **ep) for _ in range(n)])
 
     @nnx.split_rngs(splits=n)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
     def make(r):
-        return Block(cfg, moe, rngs=r)
+        return Block(cfg, moe, rngs=r, **ep)
 
     return make(rngs)
 
@@ -180,16 +236,26 @@ def _run_group(group, scanned: bool, x, cos, sin, mask, caches, cache_index, rem
 
 
 class Decoder(nnx.Module):
-    """Decoder-only transformer built from a ModelConfig (see module docstring)."""
+    """Decoder-only transformer built from a ModelConfig (see module docstring).
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    mesh, rules: optional; with a mesh whose axis for the logical `expert` axis (under
+    `rules`, default ptrain.parallel.DEFAULT_RULES) is larger than 1, the MoE blocks run
+    expert-parallel on it (`ptrain.models.moe.expert_parallel_axis`). The mesh becomes a
+    static part of the module (its GraphDef), not of its state.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, mesh: jax.sharding.Mesh | None = None, rules=None):
         validate_config(cfg)
         self._frozen = _FrozenConfig(cfg)
         pd = as_dtype(cfg.param_dtype)
         self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), std=cfg.init_std, dtype=pd)
-        n_dense = cfg.first_k_dense if cfg.is_moe else cfg.n_layers
-        self.dense_blocks = _make_group(cfg, False, n_dense, rngs)
-        self.moe_blocks = _make_group(cfg, True, cfg.n_layers - n_dense, rngs)
+        from ptrain.models.moe import expert_parallel_axis
+
+        expert_axis = expert_parallel_axis(cfg, mesh, rules)
+        ep = dict(ep_mesh=mesh, expert_axis=expert_axis) if expert_axis else {}
+        self._groups = layer_groups(cfg)
+        for g in self._groups:
+            setattr(self, g.name, _make_group(cfg, g.moe, g.n, rngs, **(ep if g.moe else {})))
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.rms_norm_eps, axis_name="embed", param_dtype=pd, rngs=rngs)
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), std=cfg.init_std, dtype=pd)
@@ -201,8 +267,8 @@ class Decoder(nnx.Module):
 
     @property
     def n_dense_layers(self) -> int:
-        c = self._frozen.cfg
-        return c.first_k_dense if c.is_moe else c.n_layers
+        """Layers with a dense MLP."""
+        return sum(not m for m in moe_layer_flags(self._frozen.cfg))
 
     def head_weight(self) -> jax.Array:
         """Output projection [D, V] (the transposed embedding when tied), param dtype."""
@@ -222,17 +288,17 @@ class Decoder(nnx.Module):
         cos, sin = rope_tables(positions_BxL, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
         x = jnp.take(self.embed[...], input_ids_BxL, axis=0).astype(dt)
         lb_total = jnp.zeros((), jnp.float32)
-        loads = jnp.zeros((0, cfg.n_experts if cfg.is_moe else 0), jnp.float32)
+        loads = [jnp.zeros((0, cfg.n_experts if cfg.is_moe else 0), jnp.float32)]
         new_caches = {}
-        for name, group in (("dense", self.dense_blocks), ("moe", self.moe_blocks)):
-            if group is None:
-                continue
-            c = None if caches is None else caches[name]
+        for g in self._groups:
+            c = None if caches is None else caches[g.cache_key]
+            group = getattr(self, g.name)
             x, nc, lb, load = _run_group(group, cfg.scan_layers, x, cos, sin, mask_BxTxS, c, cache_index, cfg.remat)
-            new_caches[name] = nc
-            if name == "moe":
-                lb_total, loads = lb_total + lb, load
-        return self.final_norm(x), ModelAux(lb_loss=lb_total, expert_load=loads), new_caches
+            new_caches[g.cache_key] = nc
+            if g.moe:
+                lb_total, loads = lb_total + lb, loads + [load]
+        aux = ModelAux(lb_loss=lb_total, expert_load=jnp.concatenate(loads))  # MoE layers in layer order
+        return self.final_norm(x), aux, new_caches
 
     def __call__(
         self,
@@ -271,7 +337,7 @@ class Decoder(nnx.Module):
     def decode_step(self, input_ids_BxT, positions_BxT, mask_BxTxS, caches, cache_index):
         """One prefill or decode chunk against the KV cache (see ptrain.models.generate).
 
-        caches: from `init_cache` ({"dense"|"moe": per-layer or stacked (k, v)}); the T new keys are
+        caches: from `init_cache` ({group cache key: per-layer or stacked (k, v)}); the T new keys are
         written at slots [cache_index, cache_index + T). Returns (float32 logits [B, T, V],
         new caches).
         """
@@ -281,17 +347,17 @@ class Decoder(nnx.Module):
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> dict:
     """Zero KV cache pytree for `Decoder.decode_step`, keys and values in the compute dtype
-    (or `dtype`): per layer group, a list of per-layer (k, v) [B, max_len, K, Dh], or with
-    scan_layers one stacked (k, v) [n_layers_in_group, B, max_len, K, Dh]."""
+    (or `dtype`): per layer group (keyed by `LayerGroup.cache_key`: "dense", "moe", "dense_1",
+    ...), a list of per-layer (k, v) [B, max_len, K, Dh], or with scan_layers one stacked
+    (k, v) [n_layers_in_group, B, max_len, K, Dh]."""
     dt = as_dtype(dtype or cfg.dtype)
-    n_dense = cfg.first_k_dense if cfg.is_moe else cfg.n_layers
     shape = (batch, max_len, cfg.n_kv_heads, cfg.head_dim)
     caches = {}
-    for name, n in (("dense", n_dense), ("moe", cfg.n_layers - n_dense)):
-        if n and cfg.scan_layers:
-            caches[name] = (jnp.zeros((n,) + shape, dt), jnp.zeros((n,) + shape, dt))
-        elif n:
-            caches[name] = [(jnp.zeros(shape, dt), jnp.zeros(shape, dt)) for _ in range(n)]
+    for g in layer_groups(cfg):
+        if cfg.scan_layers:
+            caches[g.cache_key] = (jnp.zeros((g.n,) + shape, dt), jnp.zeros((g.n,) + shape, dt))
+        else:
+            caches[g.cache_key] = [(jnp.zeros(shape, dt), jnp.zeros(shape, dt)) for _ in range(g.n)]
     return caches
 
 
@@ -302,8 +368,8 @@ def count_params(cfg: ModelConfig, *, active: bool = False, embedding: bool = Tr
     dense_mlp = 3 * D * cfg.d_ff
     n_experts = cfg.top_k if active else cfg.n_experts
     moe_mlp = 3 * D * cfg.d_ff_expert * (n_experts + cfg.n_shared_experts) + D * cfg.n_experts
-    n_dense = cfg.first_k_dense if cfg.is_moe else cfg.n_layers
-    blocks = n_dense * (attn + dense_mlp + 2 * D) + (cfg.n_layers - n_dense) * (attn + moe_mlp + 2 * D)
+    n_moe = sum(moe_layer_flags(cfg))
+    blocks = (cfg.n_layers - n_moe) * (attn + dense_mlp + 2 * D) + n_moe * (attn + moe_mlp + 2 * D)
     emb = V * D * (1 if cfg.tie_embeddings else 2) if embedding else 0
     return int(blocks + D + emb)
 

@@ -9,6 +9,11 @@ shared experts, routed scaling, first k layers dense) on grouped-query attention
 `deepseek_v3` type itself needs multi-head latent attention, which this decoder does not
 implement; loading one fails with that reason.
 
+Qwen3-MoE checkpoints may mix dense and MoE layers (`mlp_only_layers`,
+`decoder_sparse_step`; ModelConfig `dense_layers`, `moe_layer_step`), both read and
+written. transformers builds such layers; SGLang's Qwen3-MoE model (0.5.x) makes every
+layer MoE, so a mixed checkpoint serves through transformers, not SGLang.
+
 Tensor layout: HF linear weights are [out, in]; ours are [in, ...out] with heads split
 out ([D, H, Dh] for q/k/v, [H, Dh, D] for o), and routed experts stacked [E, D, F]. Each
 tensor maps by a transpose and a reshape, listed once in `tensor_map`.
@@ -32,7 +37,7 @@ import numpy as np
 from flax import nnx
 
 from ptrain.config.model import ModelConfig
-from ptrain.models.decoder import Decoder
+from ptrain.models.decoder import Decoder, layer_groups, moe_layer_flags
 from ptrain.models.layers import as_dtype
 from ptrain.models.safetensors_io import FLOAT_CODES, open_folder, write_sharded
 
@@ -146,9 +151,16 @@ def config_from_hf(hf: dict, **overrides: Any) -> ModelConfig:
         init_std=float(hf.get("initializer_range", 0.02)),
     )
     if mt == "qwen3_moe":
-        if int(hf.get("decoder_sparse_step", 1)) != 1 or hf.get("mlp_only_layers"):
-            raise ValueError("qwen3_moe with decoder_sparse_step != 1 or mlp_only_layers is not supported")
+        step = hf.get("decoder_sparse_step")
+        step = 1 if step is None else step
+        only = hf.get("mlp_only_layers") or []
+        if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+            raise ValueError(f"config.json: decoder_sparse_step={step!r} must be an integer >= 1")
+        if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+            raise ValueError(f"config.json: mlp_only_layers={only!r} must be a list of layer indices")
         c.update(
+            dense_layers=sorted(set(only)),
+            moe_layer_step=step,
             n_experts=int(hf.get("num_experts") or hf["num_local_experts"]),
             top_k=int(hf["num_experts_per_tok"]),
             d_ff_expert=int(hf["moe_intermediate_size"]),
@@ -232,22 +244,30 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     moe = fam in ("qwen3_moe", "mixtral", "dots1")
     if moe != cfg.is_moe:
         raise ValueError(f"family {fam} {'needs' if moe else 'cannot have'} experts (model.n_experts={cfg.n_experts})")
+    flags = moe_layer_flags(cfg)
+    n_leading_dense = flags.index(True) if any(flags) else cfg.n_layers
+    leading_dense_only = all(flags[n_leading_dense:])
     if fam == "qwen3_moe":
-        if cfg.router != "softmax" or cfg.n_shared_experts or cfg.first_k_dense or cfg.n_groups != 1:
-            raise ValueError("qwen3_moe takes softmax routing without shared experts, dense layers or groups")
+        if cfg.router != "softmax" or cfg.n_shared_experts or cfg.n_groups != 1:
+            raise ValueError("qwen3_moe takes softmax routing without shared experts or groups")
+        # first_k_dense has no qwen3_moe key: those layers join mlp_only_layers (same layers,
+        # same tensors; a re-import names them model.dense_layers).
         hf.update(
             num_experts=cfg.n_experts,
             num_local_experts=cfg.n_experts,
             num_experts_per_tok=cfg.top_k,
             moe_intermediate_size=cfg.d_ff_expert,
             norm_topk_prob=cfg.norm_topk_prob,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
+            decoder_sparse_step=cfg.moe_layer_step,
+            mlp_only_layers=sorted(set(cfg.dense_layers) | set(range(cfg.first_k_dense))),
             router_aux_loss_coef=cfg.router_aux_loss_coef,
         )
     elif fam == "mixtral":
-        if cfg.router != "softmax" or not cfg.norm_topk_prob or cfg.n_shared_experts or cfg.first_k_dense:
-            raise ValueError("mixtral takes softmax routing with norm_topk_prob and no shared experts or dense layers")
+        if cfg.router != "softmax" or not cfg.norm_topk_prob or cfg.n_shared_experts or not all(flags):
+            raise ValueError(
+                "mixtral takes softmax routing with norm_topk_prob and no shared experts or dense layers "
+                "(model.first_k_dense, dense_layers, moe_layer_step); write a model with dense layers as qwen3_moe"
+            )
         hf.update(
             num_local_experts=cfg.n_experts,
             num_experts_per_tok=cfg.top_k,
@@ -257,6 +277,12 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     elif fam == "dots1":
         if cfg.router != "sigmoid":
             raise ValueError("dots1 / deepseek_v3 routing is sigmoid; set model.router=sigmoid")
+        if not leading_dense_only:
+            raise ValueError(
+                f"dots1 / deepseek_v3 can only make the first layers dense (first_k_dense_replace), but "
+                f"model.dense_layers={list(cfg.dense_layers)} / moe_layer_step={cfg.moe_layer_step} put dense "
+                "layers after MoE ones; use model.first_k_dense instead"
+            )
         hf.update(
             n_routed_experts=cfg.n_experts,
             num_experts_per_tok=cfg.top_k,
@@ -266,7 +292,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
             routed_scaling_factor=cfg.routed_scaling_factor,
             n_group=cfg.n_groups,
             topk_group=cfg.topk_groups,
-            first_k_dense_replace=cfg.first_k_dense,
+            first_k_dense_replace=n_leading_dense,
             layer_types=["full_attention"] * cfg.n_layers,
             sliding_window=None,
         )
@@ -302,10 +328,8 @@ def tensor_map(cfg: ModelConfig) -> list[TensorMapping]:
         out.append(TensorMapping(name, tuple(path), tuple(index), tuple(shape), transpose))
 
     add("model.embed_tokens.weight", ("embed",), (), (V, D), False)
-    n_dense = cfg.first_k_dense if cfg.is_moe else cfg.n_layers
-    for i in range(cfg.n_layers):
-        moe = i >= n_dense
-        group, j = ("moe_blocks", i - n_dense) if moe else ("dense_blocks", i)
+    layer_places = [(g.name, g.moe, j) for g in layer_groups(cfg) for j in range(g.n)]
+    for i, (group, moe, j) in enumerate(layer_places):
         base, idx = ((group,), (j,)) if cfg.scan_layers else ((group, j), ())
         p = f"model.layers.{i}."
         add(p + "input_layernorm.weight", base + ("attn_norm", "scale"), idx, (D,), False)
@@ -400,8 +424,10 @@ def load_hf(
     default, whatever the file holds). With `mesh`, each parameter is created directly as
     a sharded array (logical axes -> mesh axes by `rules`, default
     ptrain.parallel.sharding.DEFAULT_RULES): every device's shard is read from the
-    memory-mapped safetensors, so no host holds the whole model. Other ModelConfig fields
-    (remat, scan_layers, moe_implementation, ...) pass through `overrides`.
+    memory-mapped safetensors, so no host holds the whole model; and when the rules put
+    the experts on a mesh axis larger than 1, the MoE blocks run expert-parallel on it
+    (see ptrain.models.decoder). Other ModelConfig fields (remat, scan_layers,
+    moe_implementation, ...) pass through `overrides`.
     """
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
@@ -420,7 +446,7 @@ def load_hf(
     for m in mappings:
         _check_tensor(m.hf_name, files, m)
 
-    abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0), mesh=mesh, rules=rules))
     graphdef, state = nnx.split(abstract)
     flat = _flat_state(state)
     by_path: dict[tuple, list[TensorMapping]] = defaultdict(list)

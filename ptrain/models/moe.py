@@ -8,10 +8,20 @@ every token reaches its top_k experts (no capacity factor), as in the HF referen
 The aux-loss-free bias is a `RouterBias` variable, not an `nnx.Param`, so
 `nnx.split(model, nnx.Param, ...)` keeps it out of the optimizer; the train step moves it
 with `update_router_bias(state, aux.expert_load, rate)` (DeepSeek-V3, arXiv:2408.15664).
+
+Expert parallelism: built with `ep_mesh` and `expert_axis` (the Decoder passes them when
+`expert_parallel_axis` finds an expert axis larger than 1), the block runs its experts
+with `moe_ffn(..., mesh=, expert_axis=)`: inside `shard_map` each device routes its own
+slice of the tokens, sends every row to the device that holds its expert (all-to-all:
+padded on CPU, ragged on GPU/TPU), runs its local experts and sends the results back.
+The expert weights enter the shard_map split over the expert axis only (shard_map
+gathers any fsdp / tensor split of their other dimensions). Routing, the load-balancing
+loss and the shared experts stay outside, under the ordinary automatic partitioning.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import jax
@@ -26,13 +36,54 @@ class RouterBias(nnx.Variable):
     """Per-expert selection bias of a sigmoid router; state outside the optimizer."""
 
 
+def expert_parallel_axis(cfg: Any, mesh: jax.sharding.Mesh | None, rules=None) -> str | None:
+    """The mesh axis the MoE blocks run expert-parallel on, or None (no mesh, a dense
+    model, or the logical `expert` axis maps to mesh axes of size 1 only).
+
+    The axis is the one the rule table (default ptrain.parallel.DEFAULT_RULES) maps the
+    logical `expert` axis to, so the dispatch follows the expert weights' own placement.
+    Raises ValueError when the experts cannot split evenly over it, or when the rules
+    spread them over more than one axis of size > 1 (the all-to-all runs over one axis).
+    """
+    if mesh is None or not cfg.is_moe:
+        return None
+    from ptrain.parallel.sharding import DEFAULT_RULES
+
+    mapped = None
+    for logical, mesh_axes in rules or DEFAULT_RULES:
+        if logical == "expert":
+            mapped = mesh_axes
+            break
+    names = () if mapped is None else (tuple(mapped) if isinstance(mapped, (list, tuple)) else (mapped,))
+    axes = [a for a in names if a in mesh.shape and mesh.shape[a] > 1]
+    if not axes:
+        return None
+    if len(axes) > 1:
+        raise ValueError(
+            f"mesh.rules map the logical 'expert' axis to the mesh axes {axes}, all larger than 1; expert "
+            "parallelism exchanges tokens over one mesh axis: map 'expert' to one of them"
+        )
+    axis = axes[0]
+    if cfg.n_experts % mesh.shape[axis]:
+        raise ValueError(
+            f"model.n_experts={cfg.n_experts} does not split over the {mesh.shape[axis]} devices of mesh axis "
+            f"{axis!r}; choose a mesh.{axis} size that divides the number of experts"
+        )
+    return axis
+
+
 class MoE(nnx.Module):
     """Routed SwiGLU experts (+ optional shared experts) for one decoder layer.
 
     x [B, L, D] -> (y [B, L, D], lb_loss scalar, load [E]).
+    ep_mesh, expert_axis: run the experts expert-parallel over that mesh axis (module
+    docstring); both static attributes of the module.
     """
 
-    def __init__(self, cfg: Any, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: Any, *, rngs: nnx.Rngs, ep_mesh=None, expert_axis: str | None = None):
+        if (ep_mesh is None) != (expert_axis is None):
+            raise ValueError("MoE: pass both ep_mesh and expert_axis for expert parallelism, or neither")
+        self.ep_mesh, self.expert_axis = ep_mesh, expert_axis
         D, E, F = cfg.d_model, cfg.n_experts, cfg.d_ff_expert
         pd = as_dtype(cfg.param_dtype)
         self.dtype = as_dtype(cfg.dtype)
@@ -67,6 +118,11 @@ class MoE(nnx.Module):
             n_groups=self.n_groups,
             topk_groups=self.topk_groups,
         )
+        # The expert-parallel path splits the tokens over every device of the mesh; a call
+        # whose token count does not divide (KV-cache decoding of a few rows) takes the
+        # single-program path instead, where XLA gathers the experts it needs. Static
+        # shapes, so the choice is made once per trace.
+        ep = self.ep_mesh is not None and x_TxD.shape[0] % self.ep_mesh.size == 0
         y_TxD = moe_kernels.moe_ffn(
             x_TxD,
             r.expert_ids_Txk,
@@ -75,6 +131,8 @@ class MoE(nnx.Module):
             self.w_up[...],
             self.w_down[...],
             implementation=self.implementation,
+            mesh=self.ep_mesh if ep else None,
+            expert_axis=self.expert_axis if ep else None,
         )
         if self.n_shared:
             y_TxD = y_TxD + self.shared(x_TxD)
@@ -98,9 +156,10 @@ def update_router_bias(state: nnx.State, expert_load_LxE: jax.Array, rate: float
     ]
     if not bias_items:
         return state
-    # Layer order = order of the integer layer index in the path (list layout), or the
-    # leading axis of a single stacked variable (scan layout).
-    bias_items.sort(key=lambda t: tuple(k for k in t[1] if isinstance(k, int)))
+    # Layer order = the order of the MoE layer groups (`moe_blocks`, `moe_blocks_1`, ...),
+    # then the integer layer index in the path (list layout) or the leading axis of the
+    # group's stacked variable (scan layout).
+    bias_items.sort(key=lambda t: _layer_order_key(t[1]))
     row = 0
     for i, path, var in bias_items:
         bias = var[...]
@@ -118,3 +177,14 @@ def update_router_bias(state: nnx.State, expert_load_LxE: jax.Array, rate: float
             "MoE layers with a RouterBias; pass ModelAux.expert_load of the same model"
         )
     return nnx.from_flat_state(flat)
+
+
+def _layer_order_key(path: tuple) -> tuple:
+    """Sort key of a variable path in layer order: (group number, integer indices)."""
+    group = 0
+    for k in path:
+        m = re.fullmatch(r"moe_blocks(?:_(\d+))?", str(k))
+        if m:
+            group = int(m.group(1) or 0)
+            break
+    return (group,) + tuple(k for k in path if isinstance(k, int))

@@ -188,6 +188,88 @@ def test_convert_hf_orbax_round_trip(folder, tmp_path):
     np.testing.assert_array_equal(_logits(back, ids), _logits(model, ids))
 
 
+MOE = dict(
+    vocab_size=64,
+    d_model=32,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    d_ff=48,
+    tie_embeddings=False,
+    n_experts=4,
+    top_k=2,
+    d_ff_expert=16,
+    moe_implementation="ragged_dot",
+)
+
+
+def test_qwen3_moe_mixed_layers_import_and_export(tmp_path):
+    """mlp_only_layers / decoder_sparse_step map to dense_layers / moe_layer_step and back;
+    the dense layers' tensors are plain mlp.{gate,up,down}_proj in a saved folder."""
+    cfg = ModelConfig(family="qwen3_moe", **MOE, dense_layers=[0], moe_layer_step=2)  # D M D M
+    hf = config_to_hf(cfg)
+    assert hf["mlp_only_layers"] == [0] and hf["decoder_sparse_step"] == 2
+    back = config_from_hf(json.loads(json.dumps(hf)), moe_implementation="ragged_dot")
+    assert (back.dense_layers, back.moe_layer_step) == ([0], 2)
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    save_hf(model, str(tmp_path))
+    names = set(SafetensorsFile(str(tmp_path / "model.safetensors")).keys())
+    assert {"model.layers.0.mlp.up_proj.weight", "model.layers.2.mlp.up_proj.weight"} <= names
+    assert {"model.layers.1.mlp.gate.weight", "model.layers.3.mlp.experts.3.down_proj.weight"} <= names
+    assert not any(n.startswith(("model.layers.0.mlp.gate.", "model.layers.2.mlp.experts")) for n in names)
+    ids = jnp.asarray([[1, 2, 3, 4, 5]], jnp.int32)
+    np.testing.assert_array_equal(
+        _logits(load_hf(str(tmp_path), moe_implementation="ragged_dot"), ids), _logits(model, ids)
+    )
+    # first_k_dense has no qwen3_moe key: those layers are written into mlp_only_layers
+    assert config_to_hf(dataclasses.replace(cfg, first_k_dense=2))["mlp_only_layers"] == [0, 1]
+
+
+def test_existing_layouts_keep_their_parameter_paths():
+    """Checkpoints of dense and first-k-dense models (Orbax, goldens) name these groups."""
+    deepseek = ModelConfig(family="dots1", **MOE, router="sigmoid", first_k_dense=1)
+    assert set(nnx.state(nnx.eval_shape(lambda: Decoder(deepseek, rngs=nnx.Rngs(0)))).keys()) == {
+        "embed",
+        "dense_blocks",
+        "moe_blocks",
+        "final_norm",
+        "lm_head",
+    }
+    assert config_to_hf(deepseek)["first_k_dense_replace"] == 1
+    # a leading dense_layers entry is the same layout, written the dots1 way
+    assert config_to_hf(dataclasses.replace(deepseek, first_k_dense=0, dense_layers=[0]))["first_k_dense_replace"] == 1
+
+
+@pytest.mark.parametrize(
+    "family, fields, match",
+    [
+        ("mixtral", dict(qk_norm=False, dense_layers=[1]), r"mixtral takes .* no shared experts or dense layers"),
+        ("mixtral", dict(qk_norm=False, first_k_dense=1), r"mixtral takes .* no shared experts or dense layers"),
+        ("dots1", dict(router="sigmoid", dense_layers=[2]), r"dots1 / deepseek_v3 can only make the first layers"),
+        ("dots1", dict(router="sigmoid", moe_layer_step=2), r"dots1 / deepseek_v3 can only make the first layers"),
+    ],
+)
+def test_layer_patterns_a_family_cannot_express_are_refused_on_export(family, fields, match):
+    with pytest.raises(ValueError, match=match):
+        config_to_hf(ModelConfig(family=family, **MOE, **fields))
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (dict(decoder_sparse_step=0), r"decoder_sparse_step=0 must be an integer >= 1"),
+        (dict(decoder_sparse_step="2"), r"decoder_sparse_step='2' must be an integer"),
+        (dict(mlp_only_layers="0,1"), r"mlp_only_layers='0,1' must be a list of layer indices"),
+        (dict(mlp_only_layers=[4]), r"model\.dense_layers=\[4\] must hold layer indices in \[0, n_layers=4\)"),
+    ],
+)
+def test_bad_qwen3_moe_layer_keys_fail_naming_the_key(edit, match):
+    hf = {**config_to_hf(ModelConfig(family="qwen3_moe", **MOE)), **edit}
+    with pytest.raises(ValueError, match=match):
+        Decoder(config_from_hf(hf), rngs=nnx.Rngs(0))
+
+
 _PLACEMENT = textwrap.dedent("""
     import os, sys, json
     import jax, numpy as np

@@ -8,6 +8,8 @@ at random so that no mapping error can hide behind an identity initialisation. C
   2. save_hf -> transformers.from_pretrained -> the same logits (round trip);
   3. gradients of a token-mean cross-entropy w.r.t. every parameter agree after mapping
      the names (transformers' fused runtime expert tensors are split per expert).
+A Qwen3-MoE model with dense and MoE layers mixed (`mlp_only_layers`, `decoder_sparse_step`)
+runs the same checks.
 """
 
 import os
@@ -57,6 +59,14 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", dict(tie_word_embeddings=True)),
     "mistral": ("MistralConfig", dict(sliding_window=4)),
     "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=8, norm_topk_prob=False, **MOE)),
+    # Dense and MoE layers mixed: layer 0 in mlp_only_layers, MoE on every second layer
+    # (decoder_sparse_step=2) -> dense, MoE, dense, MoE; loaded with scanned layer groups.
+    "qwen3_moe_mixed": (
+        "Qwen3MoeConfig",
+        dict(
+            num_experts=8, norm_topk_prob=True, num_hidden_layers=4, mlp_only_layers=[0], decoder_sparse_step=2, **MOE
+        ),
+    ),
     "mixtral": ("MixtralConfig", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32)),
     "dots1": (
         "Dots1Config",
@@ -72,6 +82,8 @@ FAMILIES = {
         ),
     ),
 }
+LOAD_OVERRIDES = {"qwen3_moe_mixed": dict(scan_layers=True)}
+"""load_hf options per family (default: the plain layer loop)."""
 B, L = 3, 10
 LENGTHS = [10, 7, 4]
 
@@ -141,7 +153,7 @@ def pair(request, tmp_path_factory):
     tmodel.eval()
     folder = str(tmp_path_factory.mktemp(request.param) / "hf")
     tmodel.save_pretrained(folder)
-    jmodel = load_hf(folder)
+    jmodel = load_hf(folder, **LOAD_OVERRIDES.get(request.param, {}))
     return request.param, tmodel, jmodel, _jax_logits_and_grads(jmodel, *_batch())
 
 

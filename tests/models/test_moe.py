@@ -76,3 +76,99 @@ def test_dense_model_has_empty_aux_and_no_router_bias():
     model = Decoder(ModelConfig(**{**cfg, "family": "qwen3"}), rngs=nnx.Rngs(0))
     _, _, rest = nnx.split(model, nnx.Param, ...)
     assert update_router_bias(rest, jnp.zeros((0, 0)), 0.01) is rest
+
+
+# ----------------------------------------------------------------------------- mixed dense/MoE layers
+
+
+def test_layer_pattern_follows_the_qwen3_moe_rule_and_groups_consecutive_layers():
+    from ptrain.models.decoder import layer_groups, moe_layer_flags
+
+    cfg = ModelConfig(**{**CFG, "n_layers": 6, "first_k_dense": 0, "dense_layers": [4], "moe_layer_step": 1})
+    assert moe_layer_flags(cfg) == (True, True, True, True, False, True)
+    # transformers' Qwen3MoeDecoderLayer: MoE iff i not in mlp_only_layers and (i + 1) % step == 0
+    cfg = ModelConfig(**{**CFG, "n_layers": 6, "first_k_dense": 0, "dense_layers": [3], "moe_layer_step": 2})
+    assert moe_layer_flags(cfg) == tuple(i not in (3,) and (i + 1) % 2 == 0 for i in range(6))
+    groups = layer_groups(cfg)  # D M D D D M
+    assert [(g.name, g.cache_key, g.start, g.n) for g in groups] == [
+        ("dense_blocks", "dense", 0, 1),
+        ("moe_blocks", "moe", 1, 1),
+        ("dense_blocks_1", "dense_1", 2, 3),
+        ("moe_blocks_1", "moe_1", 5, 1),
+    ]
+    # the existing layouts keep their groups (and so their parameter paths)
+    assert [g.name for g in layer_groups(ModelConfig(**CFG))] == ["dense_blocks", "moe_blocks"]
+    dense = ModelConfig(**{**CFG, "n_experts": 0, "dense_layers": [1]})
+    assert [(g.name, g.n) for g in layer_groups(dense)] == [("dense_blocks", 3)]
+    with pytest.raises(ValueError, match=r"model\.dense_layers=\[3\]"):
+        Decoder(ModelConfig(**{**CFG, "dense_layers": [3]}), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="moe_layer_step"):
+        Decoder(ModelConfig(**{**CFG, "moe_layer_step": 0}), rngs=nnx.Rngs(0))
+
+
+MIXED = {**CFG, "n_layers": 4, "first_k_dense": 0, "dense_layers": [2]}  # M M D M: two MoE groups
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_mixed_layers_decode_with_the_cache_and_update_each_layers_bias(scan):
+    from ptrain.models import init_cache
+    from ptrain.models.generate import decode_mask
+
+    cfg = ModelConfig(**MIXED, scan_layers=scan)
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    assert set(nnx.state(model).keys()) >= {"moe_blocks", "dense_blocks", "moe_blocks_1"}
+    graphdef, state = nnx.split(model)
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, 7)), jnp.int32)
+    S = 8
+
+    @jax.jit
+    def run(state):
+        m = nnx.merge(graphdef, state)
+        full, aux = m(ids, return_aux=True)
+        caches = init_cache(cfg, 2, S)
+        assert set(caches) == {"moe", "dense", "moe_1"}
+        pos = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
+        pads = jnp.zeros((2,), jnp.int32)
+        pre, caches = m.decode_step(ids[:, :6], pos, decode_mask(pads, jnp.arange(6), S, None), caches, 0)
+        step, _ = m.decode_step(ids[:, 6:], pos[:, :1] + 6, decode_mask(pads, jnp.arange(6, 7), S, None), caches, 6)
+        return full, aux, jnp.concatenate([pre, step], axis=1)
+
+    full, aux, cached = run(state)
+    np.testing.assert_allclose(cached, full, atol=2e-5)
+    assert aux.expert_load.shape == (3, 8)  # MoE layers 0, 1, 3 in layer order
+
+    # Distinct loads per layer: each layer's bias moves by its own row (layer 3 lives in moe_blocks_1).
+    load = jnp.stack([jnp.eye(8)[i] for i in (0, 3, 5)]) * 0.5 + 0.5 / 8
+    rest = nnx.split(model, nnx.Param, ...)[2]
+    new = nnx.to_flat_state(update_router_bias(rest, load, 0.01))
+    by_layer = {}
+    for path, v in new:
+        if isinstance(v, RouterBias):
+            rows = v[...].reshape(-1, 8)
+            first = {"moe_blocks": 0, "moe_blocks_1": 3}[path[0]] + (0 if scan else path[1])
+            for r, row in enumerate(rows):
+                by_layer[first + r] = np.asarray(row)
+    assert sorted(by_layer) == [0, 1, 3]
+    for row, layer in enumerate((0, 1, 3)):
+        want = 0.01 * np.sign(np.asarray(load[row]).mean() - np.asarray(load[row]))
+        np.testing.assert_allclose(by_layer[layer], want, atol=1e-7, err_msg=f"layer {layer}")
+
+
+class _FakeMesh:
+    def __init__(self, **shape):
+        self.shape = {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1, **shape}
+
+
+def test_expert_parallel_axis_follows_the_rules_and_refuses_uneven_splits():
+    from ptrain.models.moe import expert_parallel_axis
+
+    cfg = ModelConfig(**CFG)
+    assert expert_parallel_axis(cfg, None) is None
+    assert expert_parallel_axis(cfg, _FakeMesh(data=8)) is None  # expert axis of size 1: automatic partitioning
+    assert expert_parallel_axis(cfg, _FakeMesh(data=2, expert=4)) == "expert"
+    assert expert_parallel_axis(ModelConfig(**{**CFG, "n_experts": 0}), _FakeMesh(expert=4)) is None
+    assert expert_parallel_axis(cfg, _FakeMesh(fsdp=4), [("expert", "fsdp")]) == "fsdp"
+    with pytest.raises(ValueError, match=r"n_experts=8 does not split over the 3 devices"):
+        expert_parallel_axis(cfg, _FakeMesh(expert=3))
+    with pytest.raises(ValueError, match="over one mesh axis"):
+        expert_parallel_axis(cfg, _FakeMesh(expert=2, fsdp=2), [("expert", ("expert", "fsdp"))])
