@@ -436,8 +436,11 @@ def generate_item(
         meta["output_token_logprobs"] = logprob_entries(sample.logprobs, sample.output_ids, out_texts)
         meta["output_token_logprobs_length"] = len(sample.output_ids)
         if logprob_start_len >= 0 and sample.prompt_logprobs is not None:
+            # SGLang answers tokens k.. with a null first log-prob: the values of tokens k+1..
+            # are the last len(ids) - 1 the engine returned (an engine may also give token k's).
             ids = sample.prompt_ids[logprob_start_len:]
-            values = [None, *sample.prompt_logprobs][: len(ids)]
+            tail = sample.prompt_logprobs[len(sample.prompt_logprobs) - (len(ids) - 1) :] if len(ids) > 1 else ()
+            values = [None, *tail]
             meta["input_token_logprobs"] = logprob_entries(values, ids, token_texts(ids) if token_texts else None)
         else:
             meta["input_token_logprobs"] = []

@@ -1,0 +1,803 @@
+"""OpenAI-compatible routes of `python -m ptrain.serve`: /v1/models, /v1/completions, /v1/chat/completions.
+
+Shapes and defaults follow SGLang 0.5.23's OpenAI adapter (`srt/entrypoints/openai/protocol.py`
+and `serving_*.py`), so agent harnesses and environment libraries that speak OpenAI work
+unchanged:
+- completions: `prompt` is a string, a list of strings, token ids or a list of token-id
+  lists; choice i*n + j is sample j of prompt i; `logprobs: 0` returns the sampled tokens'
+  log-probs (`echo` with it also the prompt's); `return_token_ids` adds `token_ids` and
+  `prompt_token_ids` to each choice;
+- chat: the model folder's chat template (or --chat-template) renders `messages` and `tools`;
+  Qwen 2.5 / Hermes `<tool_call>{json}</tool_call>` blocks in the output become
+  `message.tool_calls` (finish_reason "tool_calls"); `logprobs: true` gives
+  `choices[].logprobs.content`; `return_token_ids` adds `prompt_token_ids` and
+  `response_token_ids`;
+- sampling the request leaves out comes from the model's generation_config.json, then
+  OpenAI's defaults; `stop` strings and `stop_token_ids` end a sample;
+- unknown fields are ignored, as SGLang's pydantic models ignore them; fields for features
+  this engine lacks (penalties, logit_bias, grammars, top log-probs, ...) are a 400 unless they
+  hold the default;
+- `stream: true` answers with SSE chunks ending in `data: [DONE]`; `stream_options.include_usage`
+  adds a usage chunk.
+Errors use SGLang's OpenAI ErrorResponse: `{"object": "error", "message", "type", "param", "code"}`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from ptrain.rollout import sglang_wire as wire
+from ptrain.rollout.protocol import GenerateRequest, RequestError
+from ptrain.rollout.server import Finished, Frontend, HTTPError, Job, json_response, parse_stops, read_json
+
+OWNED_BY = "ptrain"
+OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0}
+# Request fields (both routes) for features the engine lacks: refused unless at these defaults.
+UNSUPPORTED_FIELDS: dict[str, Any] = {
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "logit_bias": None,
+    "min_tokens": 0,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "stop_regex": None,
+    "response_format": None,
+    "suffix": None,
+    "return_hidden_states": False,
+    "return_routed_experts": False,
+    "routed_experts_start_len": 0,
+    "lora_path": None,
+    "session_params": None,
+    "custom_params": None,
+    "custom_logit_processor": None,
+    "watermark": None,
+    "images_config": None,
+    "video_config": None,
+    "mm_processor_kwargs": None,
+    "bootstrap_host": None,
+    "bootstrap_port": None,
+    "bootstrap_room": None,
+    "return_sampling_mask": False,
+    "return_flat_raw_output_top_logprobs": False,
+    "reasoning_effort": None,
+    "thinking": None,
+    "task": None,
+}
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+TOOL_CALL_OPEN = "<tool_call>"
+
+
+def openai_error(status: int, message: str, err_type: str = "BadRequestError", param: str | None = None) -> Response:
+    """SGLang's OpenAI-route error body."""
+    return json_response(
+        {"object": "error", "message": message, "type": err_type, "param": param, "code": status}, status
+    )
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _front(request: Request) -> Frontend:
+    return request.app.state.front
+
+
+def _check_json_content_type(request: Request) -> None:
+    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media != "application/json":
+        raise HTTPError(400, "Unsupported Media Type: Only 'application/json' is allowed (set Content-Type)")
+
+
+def _refuse_unsupported(body: dict) -> None:
+    for key, default in UNSUPPORTED_FIELDS.items():
+        if key in body and not wire.is_default(body[key], default):
+            raise RequestError(f"{key}: not implemented by this server; leave it out (default {default!r})")
+
+
+def _int_field(body: dict, key: str, default: Any, *, minimum: int | None = None) -> Any:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise RequestError(f"{key}: must be an integer, got {wire.type_name(v)}")
+    if minimum is not None and v < minimum:
+        raise RequestError(f"{key}: must be >= {minimum}, got {v}")
+    return v
+
+
+def _number_field(body: dict, key: str) -> float | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise RequestError(f"{key}: must be a number, got {wire.type_name(v)}")
+    return float(v)
+
+
+def sampling_of(body: dict, front: Frontend, max_new_tokens: int, *, openai_defaults: dict) -> dict[str, Any]:
+    """An OpenAI request's sampling fields as an SGLang `sampling_params` object: the request's
+    value, else the model's generation_config.json, else `openai_defaults`."""
+    sp: dict[str, Any] = {"max_new_tokens": max_new_tokens}
+    for key in ("temperature", "top_p", "min_p"):
+        v = _number_field(body, key)
+        if v is None:
+            v = front.sampling_defaults.get(key, openai_defaults.get(key))
+        if v is not None:
+            sp[key] = v
+    top_k = _int_field(body, "top_k", None)
+    if top_k is None:
+        top_k = front.sampling_defaults.get("top_k", openai_defaults.get("top_k"))
+    if top_k is not None and top_k > 0:
+        sp["top_k"] = top_k
+    sp["n"] = _int_field(body, "n", 1)
+    seed = _int_field(body, "seed", None)
+    if seed is not None:
+        sp["sampling_seed"] = seed
+    for key in ("stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "no_stop_trim"):
+        if body.get(key) is not None:
+            sp[key] = body[key]
+    return sp
+
+
+def _include_usage(body: dict) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise RequestError(f"stream_options: must be an object, got {wire.type_name(options)}")
+    return bool(options.get("include_usage"))
+
+
+def _usage(views: Sequence[Finished], n: int) -> dict[str, Any]:
+    prompt = sum(views[i].sample.prompt_tokens for i in range(0, len(views), n))
+    cached = sum(views[i].sample.cached_tokens for i in range(0, len(views), n))
+    completion = sum(v.sample.completion_tokens for v in views)
+    return {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+        "reasoning_tokens": 0,
+    }
+
+
+def _metadata(views: Sequence[Finished]) -> dict[str, Any]:
+    meta = wire.meta_info(views[0].sample)
+    out = {"weight_version": meta["weight_version"]}
+    if "weight_versions" in meta:
+        out["weight_versions"] = meta["weight_versions"]
+    return out
+
+
+def _rids(body: dict, prefix: str, count: int) -> tuple[str, list[str]]:
+    """(the response id, one engine request id a prompt): the request's `rid` or a new one."""
+    rid = body.get("rid")
+    if rid is None:
+        rid = f"{prefix}{uuid.uuid4().hex}"
+    if isinstance(rid, str) and rid:
+        return rid, [rid] if count == 1 else [f"{rid}_{i}" for i in range(count)]
+    if isinstance(rid, list) and len(rid) == count and all(isinstance(r, str) and r for r in rid):
+        return rid[0], list(rid)
+    raise RequestError(f"rid: must be a non-empty string or one a prompt, got {wire.type_name(rid)}")
+
+
+def _submit(
+    front: Frontend, prompts: list[list[int]], sampling: dict, rids: list[str], *, prompt_logprobs: bool, watch: bool
+) -> Job:
+    """Validate `sampling` (SGLang names) and submit one engine request a prompt."""
+    try:
+        rest, stops, no_trim = parse_stops(sampling, "sampling", front.detok is not None)
+        params, server = wire.parse_sampling(rest, "sampling")
+    except RequestError as e:  # name the OpenAI field, not the SGLang object it became
+        message = str(e).replace("sampling.max_new_tokens", "max_tokens").replace("sampling.sampling_seed", "seed")
+        raise RequestError(message.replace("sampling.", "").replace("sampling: ", "")) from None
+    requests = [
+        GenerateRequest(
+            input_ids=tuple(ids), sampling=params, rid=rid, return_prompt_logprobs_from=0 if prompt_logprobs else None
+        )
+        for ids, rid in zip(prompts, rids)
+    ]
+    count = len(requests)
+    return front.job(
+        requests,
+        skip_special_tokens=[server["skip_special_tokens"]] * count,
+        stops=[stops] * count,
+        no_stop_trim=[no_trim] * count,
+        watch=watch,
+    )
+
+
+# ---- /v1/models ----
+
+
+def _model_card(front: Frontend) -> dict[str, Any]:
+    name = front.served_model_name
+    return {
+        "id": name,
+        "object": "model",
+        "created": int(front.started),
+        "owned_by": OWNED_BY,
+        "root": name,
+        "parent": None,
+        "max_model_len": front.context_length,
+    }
+
+
+async def list_models(request: Request) -> Response:
+    """GET /v1/models."""
+    return json_response({"object": "list", "data": [_model_card(_front(request))]})
+
+
+async def get_model(request: Request) -> Response:
+    """GET /v1/models/{model}: the card, or 404 for another name."""
+    front = _front(request)
+    model = request.path_params["model"]
+    if model != front.served_model_name:
+        return json_response(
+            {
+                "error": {
+                    "message": f"The model '{model}' does not exist",
+                    "type": "invalid_request_error",
+                    "param": "model",
+                    "code": "model_not_found",
+                }
+            },
+            404,
+        )
+    return json_response(_model_card(front))
+
+
+# ---- /v1/completions ----
+
+
+def completion_prompts(prompt: Any, front: Frontend) -> tuple[list[list[int]], list[str] | None]:
+    """(prompts as token ids, their texts when given as text)."""
+    if isinstance(prompt, str):
+        texts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        texts = prompt
+    elif isinstance(prompt, list) and prompt and all(wire._is_int(t) for t in prompt):
+        return [list(prompt)], None
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        return [wire._token_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)], None
+    elif prompt is None:
+        raise RequestError("prompt: required (a string, a list of strings, token ids or a list of token-id lists)")
+    else:
+        raise RequestError(
+            f"prompt: must be a string, a list of strings, token ids or a list of token-id lists, "
+            f"got {wire.type_name(prompt)}"
+        )
+    if front.detok is None:
+        raise RequestError("prompt: text prompts need the tokenizer (the server runs with --skip-tokenizer-init)")
+    if not any(texts):
+        raise RequestError("Prompt cannot be empty")
+    prompts = [front.detok.encode(t) for t in texts]
+    for i, ids in enumerate(prompts):
+        if not ids:
+            raise RequestError(f"prompt[{i}]: tokenises to no tokens; a prompt needs at least one")
+    return prompts, list(texts)
+
+
+def _completion_logprobs(front: Frontend, views: Sequence[Finished], echo_prompt: bool) -> dict[str, Any]:
+    tokens: list[str] = []
+    values: list[float | None] = []
+    for view in views:
+        s = view.sample
+        if echo_prompt:
+            ids = list(s.prompt_ids)
+            tokens += front.detok.token_texts(ids) if front.detok else [""] * len(ids)
+            values += [None, *(wire.finite_or_none(x) for x in s.prompt_logprobs or ())][: len(ids)]
+        tokens += front.detok.token_texts(s.output_ids) if front.detok else [""] * len(s.output_ids)
+        values += [wire.finite_or_none(x) for x in s.logprobs]
+    return {"text_offset": [-1] * len(tokens), "token_logprobs": values, "tokens": tokens, "top_logprobs": []}
+
+
+async def completions(request: Request) -> Response:
+    """POST /v1/completions."""
+    front = _front(request)
+    _check_json_content_type(request)
+    body = await read_json(request, front.max_request_bytes)
+    if not isinstance(body, dict):
+        raise RequestError(f"the body must be a JSON object, got {wire.type_name(body)}")
+    _refuse_unsupported(body)
+    prompts, texts = completion_prompts(body.get("prompt"), front)
+    max_tokens = _int_field(body, "max_tokens", 16)
+    if max_tokens <= 0:
+        raise RequestError("max_tokens must be positive")
+    logprobs = _int_field(body, "logprobs", None, minimum=0)
+    if logprobs:
+        raise RequestError(
+            "logprobs: top log-probs are not implemented; pass logprobs: 0 for the sampled tokens' log-probs"
+        )
+    echo = bool(body.get("echo", False))
+    n = _int_field(body, "n", 1)
+    best_of = body.get("best_of")
+    if best_of not in (None, n):
+        raise RequestError(f"best_of: only best_of == n ({n}) is supported, got {best_of!r}")
+    stream = bool(body.get("stream", False))
+    include_usage = _include_usage(body)
+    return_token_ids = bool(body.get("return_token_ids", False))
+    model = body.get("model") or front.served_model_name
+    sampling = sampling_of(body, front, max_tokens, openai_defaults=OPENAI_DEFAULTS)
+    response_id, rids = _rids(body, "cmpl-", len(prompts))
+    job = _submit(front, prompts, sampling, rids, prompt_logprobs=echo and logprobs is not None, watch=stream)
+    n = job.requests[0].sampling.n
+    echo_texts = None
+    if echo:
+        echo_texts = texts or [front.detok.text(p) if front.detok else "" for p in prompts]
+    created = int(time.time())
+
+    def choice(i: int, view: Finished, *, text: str, first: bool) -> dict[str, Any]:
+        finish = view.finish_reason
+        c: dict[str, Any] = {
+            "index": i * n + view.sample.index,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": None if finish is None else finish["type"],
+            "matched_stop": None if finish is None else finish.get("matched"),
+        }
+        if return_token_ids:
+            c["token_ids"] = list(view.sample.output_ids)
+            c["prompt_token_ids"] = list(view.sample.prompt_ids)
+        return c
+
+    if stream:
+
+        async def events() -> AsyncIterator[bytes]:
+            sent_text: dict[tuple[int, int], int] = {}
+            sent_tokens: dict[tuple[int, int], int] = {}
+            finals: list[Finished] = []
+            try:
+                async for i, view, final in job.updates():
+                    key = (i, view.sample.index)
+                    text = view.text or ""
+                    first = key not in sent_text
+                    delta = text[sent_text.get(key, 0) :]
+                    if first and echo_texts is not None:
+                        delta = echo_texts[i] + delta
+                    sent_text[key] = len(text)
+                    c = choice(i, view, text=delta, first=first)
+                    start = sent_tokens.get(key, 0)
+                    if logprobs is not None:
+                        part = _completion_logprobs(front, [view], echo and first)
+                        skip = 0 if (echo and first) else start
+                        c["logprobs"] = {k: v[skip:] for k, v in part.items() if k != "top_logprobs"}
+                        c["logprobs"]["top_logprobs"] = []
+                    if return_token_ids:
+                        c["token_ids"] = list(view.sample.output_ids[start:])
+                        if not first:
+                            c.pop("prompt_token_ids")
+                    sent_tokens[key] = len(view.sample.output_ids)
+                    if final:
+                        finals.append(view)
+                    yield _sse(
+                        {
+                            "id": response_id,
+                            "object": "text_completion",
+                            "created": created,
+                            "model": model,
+                            "choices": [c],
+                        }
+                    )
+                if include_usage and finals:
+                    yield _sse(
+                        {
+                            "id": response_id,
+                            "object": "text_completion",
+                            "created": created,
+                            "model": model,
+                            "choices": [],
+                            "usage": _usage(sorted(finals, key=lambda v: v.sample.index), n),
+                        }
+                    )
+            except Exception as e:
+                yield _sse({"error": {"object": "error", "message": str(e), "type": "BadRequestError", "code": 400}})
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    from ptrain.rollout.server import until_done_or_gone
+
+    results = await until_done_or_gone(request, job)
+    if results is None:
+        return Response(status_code=499)
+    views = [v for vs in results for v in vs]
+    choices = []
+    for i, vs in enumerate(results):
+        for view in vs:
+            text = (echo_texts[i] if echo_texts else "") + (view.text or "")
+            c = choice(i, view, text=text, first=True)
+            if logprobs is not None:
+                c["logprobs"] = _completion_logprobs(front, [view], echo)
+            choices.append(c)
+    return json_response(
+        {
+            "id": response_id,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": choices,
+            "usage": _usage(views, n),
+            "metadata": _metadata(views),
+        }
+    )
+
+
+# ---- /v1/chat/completions ----
+
+
+def _message_content(content: Any, where: str) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else wire.type_name(part)
+                raise RequestError(f"{where}.content[{j}]: only text parts are supported, got {kind!r}")
+            texts.append(part["text"])
+        return " ".join(texts)
+    raise RequestError(
+        f"{where}.content: must be a string, a list of text parts or null, got {wire.type_name(content)}"
+    )
+
+
+ROLES = ("system", "user", "assistant", "tool", "function", "developer")
+
+
+def chat_messages(messages: Any) -> list[dict[str, Any]]:
+    """OpenAI `messages` -> the dicts chat templates read (text content; tool-call arguments as objects)."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages: required, a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise RequestError(f"{where}: must be an object, got {wire.type_name(m)}")
+        role = m.get("role")
+        if not isinstance(role, str) or role.lower() not in ROLES:
+            raise RequestError(f"{where}.role: must be one of {list(ROLES)}, got {role!r}")
+        msg: dict[str, Any] = {"role": role.lower(), "content": _message_content(m.get("content"), where)}
+        if msg["role"] == "user" and msg["content"] is None:
+            raise RequestError(f"{where}.content: a user message needs content")
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            if m.get(key) is not None:
+                msg[key] = m[key]
+        calls = m.get("tool_calls")
+        if calls:
+            if not isinstance(calls, list):
+                raise RequestError(f"{where}.tool_calls: must be a list, got {wire.type_name(calls)}")
+            msg["tool_calls"] = []
+            for j, call in enumerate(calls):
+                fn = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise RequestError(f"{where}.tool_calls[{j}]: needs function.name and function.arguments")
+                arguments = fn.get("arguments")
+                if isinstance(arguments, str):
+                    try:
+                        arguments = json.loads(arguments) if arguments.strip() else {}
+                    except ValueError:
+                        pass  # the template shows the string as given
+                msg["tool_calls"].append(
+                    {**call, "type": call.get("type", "function"), "function": {**fn, "arguments": arguments}}
+                )
+        out.append(msg)
+    return out
+
+
+def chat_tools(body: dict) -> list[dict] | None:
+    """The request's tools (None: no tool calls to render or parse); named/required choices are refused."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if isinstance(choice, dict) or choice == "required":
+        raise RequestError(
+            "tool_choice: 'required' and named tools need constrained decoding, which this server does not "
+            "implement; use 'auto' or 'none'"
+        )
+    if choice not in ("auto", "none"):
+        raise RequestError(f"tool_choice: must be 'auto' or 'none', got {choice!r}")
+    if not tools or choice == "none":
+        return None
+    if not isinstance(tools, list):
+        raise RequestError(f"tools: must be a list of tool objects, got {wire.type_name(tools)}")
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise RequestError(
+                f"tools[{i}]: must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}"
+            )
+    return tools
+
+
+def render_chat(front: Frontend, body: dict) -> tuple[list[int], list[dict] | None]:
+    """(prompt token ids, tools to parse) for a chat request: the chat template over messages and
+    tools, or the request's own `input_ids`."""
+    messages = chat_messages(body.get("messages"))
+    tools = chat_tools(body)
+    if body.get("input_ids") is not None:
+        return wire._token_ids(body["input_ids"], "input_ids"), tools
+    if front.detok is None:
+        raise RequestError("messages: chat needs the tokenizer (the server runs with --skip-tokenizer-init)")
+    tokenizer = front.detok.tokenizer
+    template = front.chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise RequestError("this model has no chat template; start the server with --chat-template FILE")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise RequestError(f"chat_template_kwargs: must be an object, got {wire.type_name(kwargs)}")
+    cont = bool(body.get("continue_final_message", False))
+    try:
+        text = tokenizer.apply_chat_template(
+            messages,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=not cont,
+            continue_final_message=cont,
+            chat_template=template,
+            **kwargs,
+        )
+    except Exception as e:  # the template's own checks (jinja raise_exception, bad roles, ...)
+        raise RequestError(f"messages: the chat template rejected them: {e}") from None
+    ids = front.detok.encode(text, add_special_tokens=False)
+    if not ids:
+        raise RequestError("messages: the chat template rendered an empty prompt")
+    return ids, tools
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """Qwen 2.5 / Hermes tool calls: (the text outside the `<tool_call>` blocks, OpenAI tool_calls).
+    A block that is not JSON with a "name" stays in the text."""
+    calls: list[dict[str, Any]] = []
+    kept: list[str] = []
+    last = 0
+    for m in TOOL_CALL.finditer(text):
+        try:
+            obj = json.loads(m.group(1))
+        except ValueError:
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            continue
+        arguments = obj.get("arguments", obj.get("parameters", {}))
+        calls.append(
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "index": len(calls),
+                "type": "function",
+                "function": {
+                    "name": obj["name"],
+                    "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False),
+                },
+            }
+        )
+        kept.append(text[last : m.start()])
+        last = m.end()
+    kept.append(text[last:])
+    return "".join(kept).strip() if calls else text, calls
+
+
+def _token_bytes(front: Frontend, ids: Sequence[int], texts: Sequence[str]) -> list[list[int]]:
+    """Each token's bytes: from the byte-level alphabet where the tokenizer is byte-level BPE
+    (a lone byte of a multi-byte character keeps its value), else its text in UTF-8."""
+    decoder = _byte_decoder(front)
+    if decoder is None:
+        return [list(t.encode("utf-8")) for t in texts]
+    pieces = front.detok.tokenizer.convert_ids_to_tokens(list(ids))
+    out = []
+    for piece, t in zip(pieces, texts):
+        if piece is not None and all(ch in decoder for ch in piece):
+            out.append([decoder[ch] for ch in piece])
+        else:
+            out.append(list(t.encode("utf-8")))
+    return out
+
+
+def _byte_decoder(front: Frontend) -> dict[str, int] | None:
+    cached = getattr(front, "_byte_decoder", False)
+    if cached is not False:
+        return cached
+    decoder = None
+    backend = getattr(front.detok.tokenizer, "backend_tokenizer", None) if front.detok else None
+    if backend is not None and type(backend.decoder).__name__ == "ByteLevel":
+        # GPT-2's reversible byte <-> printable-character table
+        printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+        chars = printable[:]
+        extra = 0
+        for b in range(256):
+            if b not in printable:
+                printable.append(b)
+                chars.append(256 + extra)
+                extra += 1
+        decoder = {chr(c): b for b, c in zip(printable, chars)}
+    front._byte_decoder = decoder
+    return decoder
+
+
+def _chat_logprobs(front: Frontend, sample) -> dict[str, Any]:
+    ids = list(sample.output_ids)
+    texts = front.detok.token_texts(ids) if front.detok else [""] * len(ids)
+    raw = _token_bytes(front, ids, texts) if front.detok else [[] for _ in ids]
+    return {
+        "content": [
+            {"token": t, "bytes": b, "logprob": wire.finite_or_none(lp), "top_logprobs": []}
+            for t, b, lp in zip(texts, raw, sample.logprobs)
+        ]
+    }
+
+
+async def chat_completions(request: Request) -> Response:
+    """POST /v1/chat/completions."""
+    front = _front(request)
+    _check_json_content_type(request)
+    body = await read_json(request, front.max_request_bytes)
+    if not isinstance(body, dict):
+        raise RequestError(f"the body must be a JSON object, got {wire.type_name(body)}")
+    _refuse_unsupported(body)
+    prompt, tools = render_chat(front, body)
+    logprobs = body.get("logprobs", False)
+    if not isinstance(logprobs, bool):
+        raise RequestError(f"logprobs: must be true or false, got {wire.type_name(logprobs)}")
+    if _int_field(body, "top_logprobs", 0, minimum=0):
+        raise RequestError("top_logprobs: top log-probs are not implemented; leave it out or 0")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is None:
+        max_tokens = max(1, front.context_length - len(prompt))
+    elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
+        raise RequestError(f"max_completion_tokens / max_tokens: must be a positive integer, got {max_tokens!r}")
+    stream = bool(body.get("stream", False))
+    include_usage = _include_usage(body)
+    return_token_ids = bool(body.get("return_token_ids", False))
+    return_prompt_ids = return_token_ids or bool(body.get("return_prompt_token_ids", False))
+    if stream and (return_token_ids or body.get("return_prompt_token_ids")):
+        raise RequestError(
+            "return_token_ids / return_prompt_token_ids are not supported with stream; set stream: false"
+        )
+    model = body.get("model") or front.served_model_name
+    sampling = sampling_of(body, front, max_tokens, openai_defaults=OPENAI_DEFAULTS)
+    rid = _rids(body, "chatcmpl-", 1)[0]
+    job = _submit(front, [prompt], sampling, [rid], prompt_logprobs=False, watch=stream)
+    parse_tools = tools is not None and front.effective_tool_call_parser() is not None
+    created = int(time.time())
+
+    def message_of(view: Finished) -> tuple[dict[str, Any], str | None]:
+        text = view.text or ""
+        finish = None if view.finish_reason is None else dict(view.finish_reason)
+        calls: list[dict[str, Any]] = []
+        if parse_tools and TOOL_CALL_OPEN in text:
+            text, calls = parse_tool_calls(text)
+        message: dict[str, Any] = {"role": "assistant", "content": text, "reasoning_content": None}
+        if calls:
+            message["tool_calls"] = calls
+            if finish is not None and finish["type"] == "stop":
+                finish = {"type": "tool_calls", "matched": None}
+        return message, finish
+
+    if stream:
+
+        async def events() -> AsyncIterator[bytes]:
+            sent: dict[int, int] = {}
+            finals: list[Finished] = []
+
+            def chunk(index: int, delta: dict, finish: dict | None, view: Finished | None = None) -> bytes:
+                c: dict[str, Any] = {
+                    "index": index,
+                    "delta": delta,
+                    "logprobs": None,
+                    "finish_reason": None if finish is None else finish["type"],
+                    "matched_stop": None if finish is None else finish.get("matched"),
+                }
+                return _sse(
+                    {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [c]}
+                )
+
+            try:
+                async for _i, view, final in job.updates():
+                    j = view.sample.index
+                    if j not in sent:
+                        sent[j] = 0
+                        yield chunk(j, {"role": "assistant", "content": ""}, None)
+                    text = view.text or ""
+                    if final:
+                        message, finish = message_of(view)
+                        finals.append(view)
+                        delta: dict[str, Any] = {}
+                        if message.get("tool_calls"):
+                            shown = text[: sent[j]]
+                            rest = message["content"][len(shown) :] if message["content"].startswith(shown) else ""
+                            if rest:
+                                delta["content"] = rest
+                            delta["tool_calls"] = message["tool_calls"]
+                        elif len(text) > sent[j]:
+                            delta["content"] = text[sent[j] :]
+                        yield chunk(j, delta, finish)
+                        continue
+                    # hold back text from a tool-call opening on (or a prefix of one at the end)
+                    visible = text
+                    if parse_tools:
+                        at = text.find(TOOL_CALL_OPEN)
+                        if at >= 0:
+                            visible = text[:at]
+                        else:
+                            for k in range(len(TOOL_CALL_OPEN) - 1, 0, -1):
+                                if text.endswith(TOOL_CALL_OPEN[:k]):
+                                    visible = text[:-k]
+                                    break
+                    if len(visible) > sent[j]:
+                        c = chunk(j, {"content": visible[sent[j] :]}, None)
+                        sent[j] = len(visible)
+                        yield c
+                if include_usage and finals:
+                    usage = _usage(sorted(finals, key=lambda v: v.sample.index), len(finals))
+                    usage["prompt_tokens"] = finals[0].sample.prompt_tokens
+                    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+                    yield _sse(
+                        {
+                            "id": rid,
+                            "object": "chat.completion.chunk",
+                            "created": created,
+                            "model": model,
+                            "choices": [],
+                            "usage": usage,
+                        }
+                    )
+            except Exception as e:
+                yield _sse({"error": {"object": "error", "message": str(e), "type": "BadRequestError", "code": 400}})
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    from ptrain.rollout.server import until_done_or_gone
+
+    results = await until_done_or_gone(request, job)
+    if results is None:
+        return Response(status_code=499)
+    views = results[0]
+    n = len(views)
+    choices = []
+    for view in views:
+        message, finish = message_of(view)
+        c: dict[str, Any] = {
+            "index": view.sample.index,
+            "message": message,
+            "logprobs": _chat_logprobs(front, view.sample) if logprobs else None,
+            "finish_reason": None if finish is None else finish["type"],
+            "matched_stop": None if finish is None else finish.get("matched"),
+        }
+        if return_prompt_ids:
+            c["prompt_token_ids"] = list(view.sample.prompt_ids)
+        if return_token_ids:
+            c["response_token_ids"] = list(view.sample.output_ids)
+        choices.append(c)
+    return json_response(
+        {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": choices,
+            "usage": _usage(views, n),
+            "metadata": _metadata(views),
+        }
+    )
+
+
+def openai_routes() -> list[Route]:
+    """The OpenAI-compatible routes, for `server.make_app`."""
+    return [
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", get_model, methods=["GET"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    ]
