@@ -81,6 +81,7 @@ import functools
 import json
 import logging
 import os
+import resource
 import shlex
 import shutil
 import signal
@@ -472,7 +473,20 @@ class _Launch:
     info_fd: int = -1  # read end of bwrap's --info-fd pipe
     env: dict[str, str] | None = None  # overrides of the sandbox environment
     killed_cpu_s: float = 0.0  # CPU time of the tree read just before the sandbox killed it
+    block_fd: int = -1  # write end of bwrap's --block-fd pipe: one byte lets the command start
+    limits: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # set on PID 1
+    pid1: int | None = None
+    info: bytes = b""
+    setup_error: str = ""
     cleanup: list = dataclasses.field(default_factory=list)
+
+    def release(self) -> None:
+        """Let the blocked sandbox go on (or, if it was killed, let bwrap see EOF)."""
+        if self.block_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.write(self.block_fd, b"1")
+            os.close(self.block_fd)
+            self.block_fd = -1
 
     def close(self) -> None:
         for fn in reversed(self.cleanup):
@@ -517,16 +531,15 @@ class _Backend:
     def __init__(self, cfg: SandboxConfig):
         self.cfg = cfg
         self.root = os.geteuid() == 0
-        self.prlimit = _which("prlimit")
         self.setpriv = _which("setpriv") if self.root else None
         self.sh = _which("sh")
-        if not self.prlimit:
-            raise SandboxUnavailableError("no prlimit (util-linux) on PATH: install util-linux")
+        if not self.sh:
+            raise SandboxUnavailableError("no sh on PATH")
         if self.root and not self.setpriv:
             raise SandboxUnavailableError("no setpriv (util-linux) on PATH: install util-linux")
         self.binds, self.links = _host_view(cfg)
         visible = [dst for _, dst in self.binds]
-        for helper in (self.prlimit, self.setpriv, self.sh):
+        for helper in (self.setpriv, self.sh):
             if helper and not _covered(os.path.realpath(helper), visible) and not _covered(helper, visible):
                 raise SandboxUnavailableError(
                     f"{helper} is not inside the sandbox's view (sandbox.ro_paths); add its folder"
@@ -614,16 +627,21 @@ class _Bwrap(_Backend):
             else:
                 argv += ["--perms", f"{e.mode:04o}", "--file", str(e.fd), dest]
                 fds.append(e.fd)
+        # bwrap reports its PID 1 on the info pipe and then waits on the block pipe before it
+        # execs the command; the parent sets the rlimits on that PID 1 in between (saving a
+        # prlimit exec per run), so the command never runs without them.
         info_r, info_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        launch = _Launch(argv, fds + [info_w], "/", info_fd=info_r)
-        launch.cleanup.append(lambda: os.close(info_r))
-        launch.cleanup.append(lambda: os.close(info_w))
-        argv += self.tail + ["--info-fd", str(info_w), "--"] + self.pid1_args()
+        block_r, block_w = os.pipe2(os.O_CLOEXEC)
+        launch = _Launch(argv, fds + [info_w, block_r], "/", info_fd=info_r, block_fd=block_w)
+        launch.cleanup += [lambda: os.close(info_r), lambda: os.close(info_w), lambda: os.close(block_r)]
+        launch.cleanup.append(launch.release)
+        launch.limits = [(getattr(resource, name), soft, hard) for name, soft, hard in _rlimits(self.cfg)]
+        argv += self.tail + ["--info-fd", str(info_w), "--block-fd", str(block_r), "--"] + self.pid1_args()
         if self.root:
             uid, lock_fd = self.uids.acquire()
             launch.cleanup.append(lambda: os.close(lock_fd))
             argv += self.drop_args(uid)
-        argv += _prlimit_args(self.prlimit, self.cfg) + cmd
+        argv += cmd
         return launch
 
     def pid1_args(self) -> list[str]:
@@ -632,11 +650,7 @@ class _Bwrap(_Backend):
         return [self.sh, "-c", '"$@"; exit $?', "sh"]
 
     def find_pid1(self, outer_pid: int, launch: _Launch) -> int | None:
-        try:
-            data = os.read(launch.info_fd, 1 << 16)
-            return int(json.loads(data)["child-pid"])
-        except (OSError, ValueError, KeyError):
-            return _child_of(outer_pid)
+        return launch.pid1 if launch.pid1 is not None else _child_of(outer_pid)
 
 
 # PID 1 of the unshare backend. It runs in the new namespaces, as root there, from the host's
@@ -1098,6 +1112,35 @@ class Sandbox:
                 killed_by.append(reason)
                 loop.create_task(self._kill_tree(proc.pid, launch, watch))
 
+        if launch.block_fd >= 0:
+
+            def on_info() -> None:
+                try:
+                    data = os.read(launch.info_fd, 1 << 16)
+                except BlockingIOError:
+                    return
+                launch.info += data
+                try:
+                    pid1 = int(json.loads(launch.info)["child-pid"])
+                except (ValueError, KeyError):
+                    if data:
+                        return  # partial JSON: wait for the rest
+                    loop.remove_reader(launch.info_fd)  # bwrap ended before reporting
+                    return
+                loop.remove_reader(launch.info_fd)
+                launch.pid1 = pid1
+                try:
+                    for res, soft, hard in launch.limits:
+                        resource.prlimit(pid1, res, (soft, hard))
+                except OSError as e:
+                    with contextlib.suppress(OSError):
+                        os.kill(pid1, signal.SIGKILL)
+                    launch.setup_error = f"ptrain-sandbox: could not set the rlimits of the sandbox: {e}\n"
+                    kill("setup")
+                    return
+                launch.release()
+
+            loop.add_reader(launch.info_fd, on_info)
         out = _Stream(proc.stdout.fileno(), cfg.max_output_bytes, lambda: kill("output"))
         err = _Stream(proc.stderr.fileno(), cfg.max_output_bytes, lambda: kill("output"))
         timer = loop.call_later(cfg.timeout_s, kill, "timeout")
@@ -1115,6 +1158,8 @@ class Sandbox:
             out.finish()
             err.finish()
             watch.close()
+            if launch.info_fd >= 0:
+                loop.remove_reader(launch.info_fd)
             if proc.returncode is None:  # cancelled: leave nothing behind
                 await self._kill_tree(proc.pid, launch, watch, wait=False)
                 with contextlib.suppress(ChildProcessError):
@@ -1127,7 +1172,7 @@ class Sandbox:
             code = 128 + signal.SIGKILL  # whatever the outer process made of its PID 1's death
         cpu_s = usage.ru_utime + usage.ru_stime if usage is not None else 0.0
         cpu_s = max(cpu_s, launch.killed_cpu_s)
-        stderr = err.value()
+        stderr = err.value() + launch.setup_error.encode()
         return SandboxResult(
             exit_code=code,
             stdout=out.value(),
