@@ -14,26 +14,14 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
 
 from omegaconf import OmegaConf
 
 from ptrain.checkpoint import is_done, read_done
 from ptrain.config import ConfigError, RunConfig, stage_config
+from ptrain.stages import stage_driver
 
 log = logging.getLogger(__name__)
-
-
-def _driver(kind: str) -> Callable:
-    if kind == "sft":
-        from ptrain.stages.sft import run_sft_stage
-
-        return run_sft_stage
-    if kind == "dpo":
-        from ptrain.stages.dpo import run_dpo_stage
-
-        return run_dpo_stage
-    raise ValueError(f"unknown stage kind '{kind}'")
 
 
 def stage_dir(run: RunConfig, name: str) -> str:
@@ -93,5 +81,5 @@ def run_pipeline(run: RunConfig) -> dict:
             f"{init or 'the embedded model'} -> {sdir}",
             flush=True,
         )
-        summary = _driver(stage.kind)(cfg, sdir, init)
+        summary = stage_driver(stage.kind)(cfg, sdir, init)
     return summary

@@ -2,13 +2,15 @@
 
 `RunConfig` is the root; each Hydra group (model, data, algo, optim, mesh, logging,
 checkpoint) is backed by one dataclass whose fields are documented where declared.
+`choices` holds every named option a field takes; `seeds` derives the component seeds
+from the top-level `seed`.
 """
 
+from ptrain.config.choices import STAGE_KINDS
 from ptrain.config.data import DataConfig, GeneratedTaskConfig
 from ptrain.config.model import ModelConfig
 from ptrain.config.run import ConfigError, RunConfig, register_configs, stage_config, to_run_config
 from ptrain.config.train import (
-    STAGE_KINDS,
     AlgoConfig,
     CheckpointConfig,
     DPOAlgoConfig,

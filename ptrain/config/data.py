@@ -14,11 +14,10 @@ import glob
 import os
 from dataclasses import dataclass, field
 
-SOURCE_KINDS = ("generated", "jsonl", "parquet", "arrow")
+from ptrain.config.choices import BAD_ROW_POLICIES, FORMATS, SOURCE_KINDS, TASK_OPS, one_of
+
 TABLE_EXTENSIONS = {"parquet": (".parquet", ".pq"), "arrow": (".arrow",)}
-FORMATS = ("auto", "chat", "prompt_completion", "preference")
-BAD_ROW_POLICIES = ("skip", "fail")
-TASK_OPS = ("+", "-", "*")
+"""File extensions of the table sources (a folder or glob of shards is read by them)."""
 
 
 class DataConfigError(ValueError):
@@ -40,8 +39,9 @@ class GeneratedTaskConfig:
     ops: list[str] = field(default_factory=lambda: ["+", "-"])
     """Operations to draw from, each equally likely: '+', '-' (result never negative),
     '*' (multi-digit times one digit)."""
-    seed: int = 0
-    """Seed of the problem draw; the same knobs and seed give byte-identical files."""
+    seed: int | None = None
+    """Seed of the problem draw; the same knobs and seed give byte-identical files. null:
+    derived from the top-level `seed` (ptrain/config/seeds.py)."""
 
 
 @dataclass
@@ -68,8 +68,9 @@ class DataConfig:
     0: the batch size. Must be >= 0."""
     shuffle: bool = True
     """Shuffle training rows (a new permutation each epoch). Held-out passes never shuffle."""
-    shuffle_seed: int = 0
-    """Seed of the shuffle and of the packing-bin order."""
+    shuffle_seed: int | None = None
+    """Seed of the shuffle and of the packing-bin order; null: derived from the top-level
+    `seed` (ptrain/config/seeds.py)."""
     num_epochs: int | None = None
     """Passes over the training rows; None repeats forever (train.steps decides the length).
     Must be >= 1 when set."""
@@ -108,7 +109,7 @@ def validate_data_config(cfg: DataConfig) -> None:
         cfg.source in SOURCE_KINDS, "source", f"unknown source '{cfg.source}'; pass one of {', '.join(SOURCE_KINDS)}"
     )
     _check(cfg.format in FORMATS, "format", f"unknown format '{cfg.format}'; pass one of {', '.join(FORMATS)}")
-    _check(cfg.bad_rows in BAD_ROW_POLICIES, "bad_rows", f"pass skip or fail, got '{cfg.bad_rows}'")
+    _check(cfg.bad_rows in BAD_ROW_POLICIES, "bad_rows", f"pass {one_of(BAD_ROW_POLICIES)}, got '{cfg.bad_rows}'")
     _check(
         0.0 <= cfg.max_bad_fraction <= 1.0,
         "max_bad_fraction",

@@ -103,8 +103,9 @@ class ModelConfig:
     """Scan over stacked layers (faster compile for deep models)."""
     init_std: float = 0.02
     """Std of the normal initialiser for the embedded (from-scratch) model."""
-    seed: int = 0
-    """Seed of the embedded model's initial weights."""
+    seed: int | None = None
+    """Seed of the embedded model's initial weights; null: derived from the top-level `seed`
+    (ptrain/config/seeds.py)."""
 
     @property
     def is_moe(self) -> bool:

@@ -11,10 +11,12 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from ptrain.config import choices as C
+from ptrain.config.choices import one_of
 from ptrain.config.data import DataConfig, validate_data_config
 from ptrain.config.model import ModelConfig
+from ptrain.config.seeds import DEFAULT_SEED, resolve_seeds
 from ptrain.config.train import (
-    STAGE_KINDS,
     AlgoConfig,
     CheckpointConfig,
     LoggingConfig,
@@ -23,6 +25,7 @@ from ptrain.config.train import (
     StageConfig,
     TrainConfig,
 )
+from ptrain.stages import STAGES
 
 
 class ConfigError(ValueError):
@@ -36,6 +39,10 @@ class RunConfig:
     run_dir: str = "runs/default"
     """Where stages write checkpoints, exports, metrics and the resolved config. Re-launching
     with the same run_dir skips finished stages and resumes the unfinished one."""
+    seed: int = DEFAULT_SEED
+    """The run's seed (>= 0): every component seed left null (model.seed, data.shuffle_seed,
+    data.generated.seed, train.seed) is derived from it, each its own stream
+    (ptrain/config/seeds.py). `-m seed=1,2,3` sweeps it."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
@@ -73,12 +80,16 @@ def to_run_config(cfg: DictConfig | dict) -> RunConfig:
     """Turn a composed config into a typed RunConfig and validate it.
 
     Unknown keys and wrong types raise ConfigError naming the key; impossible values too.
+    Null component seeds are derived from the top-level `seed` here, once, so the returned
+    config (and the config.yaml a run saves) holds concrete values.
     """
     try:
         merged = OmegaConf.merge(OmegaConf.structured(RunConfig), cfg)
         run: RunConfig = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise ConfigError(_explain_omegaconf_error(e)) from None
+    _check(run.seed >= 0, "seed", f"must be >= 0, got {run.seed}")
+    resolve_seeds(run)
     validate(run)
     return run
 
@@ -95,11 +106,13 @@ def stage_config(run: RunConfig, stage: StageConfig) -> RunConfig:
             f"in stage '{stage.name}': " + _explain_omegaconf_error(e, prefix=f"stages.{stage.name}.")
         ) from None
     out.stages = [stage]
+    resolve_seeds(out)  # a stage that sets a component seed back to null gets the derived one
     _validate_values(out, where=f"stage '{stage.name}': ")
-    if stage.kind == "dpo" and out.data.format != "preference":
+    need = STAGES[stage.kind].data_format if stage.kind in STAGES else None
+    if need is not None and out.data.format != need:
         raise ConfigError(
-            f"stage '{stage.name}': config key 'data.format': a dpo stage reads preference pairs, "
-            f"got format '{out.data.format}'; set data: {{format: preference}} in the stage"
+            f"stage '{stage.name}': config key 'data.format': a {stage.kind} stage reads data.format={need}, "
+            f"got format '{out.data.format}'; set data: {{format: {need}}} in the stage"
         )
     return out
 
@@ -150,16 +163,16 @@ def validate(run: RunConfig) -> None:
     _check(len(set(names)) == len(names), "stages", f"stage names must be unique, got {names}")
     for i, s in enumerate(run.stages):
         _check(
-            s.kind in STAGE_KINDS,
+            s.kind in C.STAGE_KINDS,
             f"stages[{i}].kind",
-            f"unknown stage kind '{s.kind}'; pass one of {', '.join(STAGE_KINDS)}",
+            f"unknown stage kind '{s.kind}'; pass one of {', '.join(C.STAGE_KINDS)}",
         )
         _check(
             bool(s.name) and "/" not in s.name and s.name not in (".", ".."),
             f"stages[{i}].name",
             f"'{s.name}' must be a non-empty folder name without '/' (and not '.' or '..')",
         )
-        if s.init not in ("previous", "base"):
+        if s.init not in C.STAGE_INITS:
             _check(
                 os.path.isfile(os.path.join(s.init, "config.json")),
                 f"stages[{i}].init",
@@ -185,16 +198,8 @@ def _validate_values(run: RunConfig, where: str = "") -> None:
     c(run.logging.log_every >= 1, "logging.log_every", f"must be >= 1 (1: every step), got {run.logging.log_every}")
     c(t.vocab_chunk >= 0, "train.vocab_chunk", f"must be >= 0 (0: full logits), got {t.vocab_chunk}")
     c(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
-    c(
-        o.name in ("adamw", "adam", "sgd", "adafactor", "lion"),
-        "optim.name",
-        f"unknown optimizer '{o.name}'; pass adamw, adam, sgd, adafactor or lion",
-    )
-    c(
-        o.schedule in ("constant", "linear", "cosine"),
-        "optim.schedule",
-        f"unknown schedule '{o.schedule}'; pass constant, linear or cosine",
-    )
+    c(o.name in C.OPTIMIZERS, "optim.name", f"unknown optimizer '{o.name}'; pass {one_of(C.OPTIMIZERS)}")
+    c(o.schedule in C.SCHEDULES, "optim.schedule", f"unknown schedule '{o.schedule}'; pass {one_of(C.SCHEDULES)}")
     c(o.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
     c(0 <= o.warmup_ratio < 1, "optim.warmup_ratio", f"must be in [0, 1), got {o.warmup_ratio}")
     c(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
@@ -205,8 +210,10 @@ def _validate_values(run: RunConfig, where: str = "") -> None:
         "model.n_kv_heads",
         f"must be > 0 and divide model.n_heads={m.n_heads}, got {m.n_kv_heads}",
     )
-    c(m.dtype in ("float32", "bfloat16"), "model.dtype", f"pass float32 or bfloat16, got '{m.dtype}'")
-    c(m.remat in ("none", "full", "dots"), "model.remat", f"pass none, full or dots, got '{m.remat}'")
+    c(m.dtype in C.COMPUTE_DTYPES, "model.dtype", f"pass {one_of(C.COMPUTE_DTYPES)}, got '{m.dtype}'")
+    c(m.param_dtype in C.PARAM_DTYPES, "model.param_dtype", f"pass {one_of(C.PARAM_DTYPES)}, got '{m.param_dtype}'")
+    c(m.remat in C.REMAT_MODES, "model.remat", f"pass {one_of(C.REMAT_MODES)}, got '{m.remat}'")
+    c(m.router in C.ROUTERS, "model.router", f"pass {one_of(C.ROUTERS)}, got '{m.router}'")
     if m.hf_path is not None:
         c(
             os.path.isfile(os.path.join(m.hf_path, "config.json")),
@@ -220,9 +227,9 @@ def _validate_values(run: RunConfig, where: str = "") -> None:
     c(run.checkpoint.every_steps >= 0, "checkpoint.every_steps", f"must be >= 0, got {run.checkpoint.every_steps}")
     a = run.algo
     c(
-        a.sft.aggregation in ("token_mean", "sequence_mean", "sum"),
+        a.sft.aggregation in C.SFT_AGGREGATIONS,
         "algo.sft.aggregation",
-        f"pass token_mean, sequence_mean or sum, got '{a.sft.aggregation}'",
+        f"pass {one_of(C.SFT_AGGREGATIONS)}, got '{a.sft.aggregation}'",
     )
     c(0 <= a.sft.label_smoothing < 1, "algo.sft.label_smoothing", f"must be in [0, 1), got {a.sft.label_smoothing}")
     c(
@@ -231,9 +238,19 @@ def _validate_values(run: RunConfig, where: str = "") -> None:
         f"must be null (train.global_batch_size * train.seq_len) or a token count >= 1, got {a.sft.norm_constant}",
     )
     c(
-        a.dpo.kind in ("sigmoid", "ipo", "hinge", "robust", "dpo_norm", "simpo", "orpo", "rpo", "dpop"),
+        a.dpo.kind in C.PREFERENCE_KINDS,
         "algo.dpo.kind",
-        f"unknown preference loss '{a.dpo.kind}'; pass sigmoid, ipo, hinge, robust, dpo_norm, simpo, orpo, rpo or dpop",
+        f"unknown preference loss '{a.dpo.kind}'; pass {one_of(C.PREFERENCE_KINDS)}",
+    )
+    c(
+        0 <= a.dpo.label_smoothing < 0.5,
+        "algo.dpo.label_smoothing",
+        f"must be in [0, 0.5) (a label-flip probability), got {a.dpo.label_smoothing}",
+    )
+    c(
+        a.dpo.label_smoothing == 0 or a.dpo.kind in C.SMOOTHABLE_KINDS,
+        "algo.dpo.label_smoothing",
+        f"applies to kinds {one_of(C.SMOOTHABLE_KINDS)}, not '{a.dpo.kind}'; set it to 0",
     )
     c(a.dpo.dpop_lambda >= 0, "algo.dpo.dpop_lambda", f"must be >= 0, got {a.dpo.dpop_lambda}")
     c(a.dpo.beta > 0, "algo.dpo.beta", f"must be > 0, got {a.dpo.beta}")
@@ -261,9 +278,9 @@ def _validate_values(run: RunConfig, where: str = "") -> None:
         raise ConfigError(f"{where}{e}") from None
 
 
-def check_mesh_fits(run: RunConfig, n_devices: int) -> tuple[int, int, int, int]:
-    """Resolve the mesh shape for n_devices and check the batch divides over it."""
-    mesh = run.mesh
+def resolve_mesh_shape(mesh: MeshConfig, n_devices: int) -> tuple[int, int, int, int]:
+    """(data, fsdp, tensor, expert) sizes over n_devices, in the order of choices.MESH_AXES;
+    mesh.data=-1 takes the devices the other axes leave. ConfigError unless they use all."""
     fixed = mesh.fsdp * mesh.tensor * mesh.expert
     data = mesh.data if mesh.data != -1 else n_devices // fixed
     _check(
@@ -272,6 +289,13 @@ def check_mesh_fits(run: RunConfig, n_devices: int) -> tuple[int, int, int, int]
         f"data={mesh.data} fsdp={mesh.fsdp} tensor={mesh.tensor} expert={mesh.expert} does not use exactly "
         f"the {n_devices} available devices; make the product equal {n_devices} (data=-1 fills)",
     )
+    return data, mesh.fsdp, mesh.tensor, mesh.expert
+
+
+def check_mesh_fits(run: RunConfig, n_devices: int) -> tuple[int, int, int, int]:
+    """Resolve the mesh shape for n_devices and check the batch divides over it."""
+    mesh = run.mesh
+    data, *_ = resolve_mesh_shape(mesh, n_devices)
     dp = data * mesh.fsdp
     micro = run.train.global_batch_size // run.train.grad_accum
     _check(

@@ -33,8 +33,9 @@ class TrainConfig:
     """Held-out prompts answered greedily for exact-match accuracy per evaluation (0: off)."""
     eval_max_new_tokens: int = 64
     """Generation budget per held-out prompt, in tokens."""
-    seed: int = 0
-    """Seed of the train RNG (sampling, dropout-free models still carry it for RL)."""
+    seed: int | None = None
+    """Seed of the train state's RNG and of the on-policy DPO pairs' sampling; null: derived
+    from the top-level `seed` (ptrain/config/seeds.py)."""
     vocab_chunk: int = 1024
     """> 0: the loss reads final hidden states and the output head and walks the vocabulary
     in chunks of this many columns, so [B, L, V] logits never exist (~a tenth of the memory
@@ -181,15 +182,12 @@ class AlgoConfig:
     """Settings of DPO-family stages."""
 
 
-STAGE_KINDS = ("sft", "dpo")
-
-
 @dataclass
 class StageConfig:
     name: str = "sft"
     """Unique stage name; its files live in <run_dir>/stages/<name>/."""
     kind: str = "sft"
-    """Which driver runs it: sft | dpo (grpo comes with RL)."""
+    """Which driver runs it: a kind of the registry ptrain.stages.STAGES (sft | dpo)."""
     init: str = "previous"
     """Starting weights: previous (the preceding stage's export; the base model for the
     first stage) | base (the model group's weights) | a local Hugging Face folder path."""

@@ -1,13 +1,15 @@
 """Data: Grain pipelines from local files or the embedded task to train-step batches.
 
 Modules (the file list is the architecture):
-  tokenizer   the embedded byte-level BPE tokenizer with a ChatML template; loading local ones
-  tasks       the embedded arithmetic task: worked solutions, verifier, preference pairs
-  sources     random-access JSONL / Parquet / Arrow / in-memory row sources (thread- and fork-safe)
+  tokenizer   the embedded byte-level BPE tokenizer with a ChatML template; loading local ones; stop ids
+  tasks       the embedded arithmetic task: worked solutions, preference pairs (verifier: ptrain.envs.arithmetic)
+  sources     random-access JSONL / Parquet / Arrow / in-memory row sources; a config's splits
   chat        row validation, chat-template tokenisation, assistant-only loss masks
   report      bad-row counting and the skip / fail policy
-  pipeline    SFT iterators (shuffle, epochs, packing, exact resume), eval passes, eval prompts
+  grain_ops   what every iterator shares: the examples cache, the Grain dataset, DataIterator (exact resume)
+  sft         SFT iterators (shuffle, epochs, packing), eval passes, packed-vs-unpacked checks
   preference  preference pairs for the DPO family
+  prompts     eval prompts (exact match) and prompt iterators for RL stages
   stats       `python -m ptrain.data.stats`: inspect a file (bad rows, trained part), packing fill, speed
 
 Typical use in a stage driver:
@@ -19,29 +21,29 @@ Typical use in a stage driver:
 """
 
 from ptrain.data.chat import TokenizedRows, tokenize_conversation, tokenize_sft_rows
-from ptrain.data.pipeline import (
+from ptrain.data.grain_ops import DataChangedError, DataIterator, clear_cache
+from ptrain.data.preference import make_preference_iterator, make_preference_pass, preference_examples
+from ptrain.data.prompts import EvalPrompt, batch_prompts, make_eval_prompts, make_prompt_iterator
+from ptrain.data.report import BadRowError, BadRowReport
+from ptrain.data.sft import (
     CONTRACT_KEYS,
-    DataChangedError,
-    DataIterator,
-    EvalPrompt,
-    batch_prompts,
-    clear_cache,
-    make_eval_prompts,
-    make_prompt_iterator,
     make_sft_dataset,
     make_sft_iterator,
-    open_split,
     pack_examples,
     sft_examples,
     shifted_examples,
     unpacked_batch,
+)
+from ptrain.data.sources import (
+    ArrowSource,
+    JsonlSource,
+    ListSource,
+    ParquetSource,
+    open_source,
+    open_split,
     write_generated,
 )
-from ptrain.data.preference import make_preference_iterator, make_preference_pass, preference_examples
-from ptrain.data.report import BadRowError, BadRowReport
-from ptrain.data.sources import ArrowSource, JsonlSource, ListSource, ParquetSource, open_source
-from ptrain.data.tasks import check_answer, extract_answer
-from ptrain.data.tokenizer import build_tokenizer, get_tokenizer, load_tokenizer
+from ptrain.data.tokenizer import build_tokenizer, get_tokenizer, load_tokenizer, stop_token_ids
 
 __all__ = [
     "ArrowSource",
@@ -57,9 +59,7 @@ __all__ = [
     "TokenizedRows",
     "batch_prompts",
     "build_tokenizer",
-    "check_answer",
     "clear_cache",
-    "extract_answer",
     "get_tokenizer",
     "load_tokenizer",
     "make_eval_prompts",
@@ -74,6 +74,7 @@ __all__ = [
     "preference_examples",
     "sft_examples",
     "shifted_examples",
+    "stop_token_ids",
     "tokenize_conversation",
     "tokenize_sft_rows",
     "unpacked_batch",

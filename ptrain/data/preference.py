@@ -33,13 +33,14 @@ from ptrain.data.chat import (
     tokenize_conversations,
     tokenize_pass,
 )
-from ptrain.data.pipeline import (
-    _READ,
+from ptrain.data.grain_ops import (
+    READ_OPTIONS,
     DataIterator,
-    _examples_dataset,
-    _finish,
-    _pad,
     cached_split,
+    examples_dataset,
+    finish,
+    pad_to,
+    shuffle_seed,
 )
 from ptrain.data.report import BadRowReport
 
@@ -168,11 +169,11 @@ class _PairToArrays(grain.transforms.MapWithIndex):
         for side in SIDES:
             tokens, mask = pair[side]["tokens"], pair[side]["mask"]
             n = len(tokens) - 1
-            out[f"{side}_input_ids"] = _pad(tokens[:-1].astype(np.int32), L)
-            out[f"{side}_target_ids"] = _pad(tokens[1:].astype(np.int32), L)
-            out[f"{side}_loss_mask"] = _pad(mask[1:].astype(np.float32), L)
-            out[f"{side}_segment_ids"] = _pad(np.ones(n, np.int32), L)
-            out[f"{side}_positions"] = _pad(np.arange(n, dtype=np.int32), L)
+            out[f"{side}_input_ids"] = pad_to(tokens[:-1].astype(np.int32), L)
+            out[f"{side}_target_ids"] = pad_to(tokens[1:].astype(np.int32), L)
+            out[f"{side}_loss_mask"] = pad_to(mask[1:].astype(np.float32), L)
+            out[f"{side}_segment_ids"] = pad_to(np.ones(n, np.int32), L)
+            out[f"{side}_positions"] = pad_to(np.arange(n, dtype=np.int32), L)
         out["pair_index"] = np.int32(pair["index"])
         out["epoch"] = np.int32(index // self.epoch_size)
         return out
@@ -215,10 +216,10 @@ def make_preference_iterator(
     if batch_size < 1 or seq_len < 2:
         raise ValueError(f"need batch_size >= 1 and seq_len >= 2, got {batch_size} and {seq_len}")
     pairs, rep = preference_examples(cfg, tokenizer, seq_len=seq_len, split=split)
-    seed = cfg.shuffle_seed if seed is None else seed
+    seed = shuffle_seed(cfg, seed)
     train = split == "train"
     do_shuffle = (train and cfg.shuffle) if shuffle is None else shuffle
-    ds, n = _examples_dataset(
+    ds, n = examples_dataset(
         pairs,
         seed=seed,
         shuffle=do_shuffle,
@@ -226,11 +227,11 @@ def make_preference_iterator(
         shard_index=shard_index,
         shard_count=shard_count,
     )
-    it_ds = ds.map_with_index(_PairToArrays(seq_len, n)).to_iter_dataset(_READ)
+    it_ds = ds.map_with_index(_PairToArrays(seq_len, n)).to_iter_dataset(READ_OPTIONS)
     it_ds = it_ds.batch(batch_size, drop_remainder=train)
     if not train:
         it_ds = it_ds.map(_PadPairBatch(batch_size))
-    return DataIterator(iter(_finish(it_ds, cfg.num_workers)), rep, n, pairs)
+    return DataIterator(iter(finish(it_ds, cfg.num_workers)), rep, n, pairs)
 
 
 def make_preference_pass(
@@ -247,9 +248,9 @@ def make_preference_pass(
     (e.g. reference log-probs, stored by pair_index)."""
     one = dataclasses.replace(cfg, num_epochs=1, shuffle=False)
     pairs, rep = preference_examples(one, tokenizer, seq_len=seq_len, split=split)
-    ds, n = _examples_dataset(
+    ds, n = examples_dataset(
         pairs, seed=0, shuffle=False, num_epochs=1, shard_index=shard_index, shard_count=shard_count
     )
-    it_ds = ds.map_with_index(_PairToArrays(seq_len, n)).to_iter_dataset(_READ)
+    it_ds = ds.map_with_index(_PairToArrays(seq_len, n)).to_iter_dataset(READ_OPTIONS)
     it_ds = it_ds.batch(batch_size, drop_remainder=False).map(_PadPairBatch(batch_size))
     return DataIterator(iter(it_ds), rep, n)

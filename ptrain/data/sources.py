@@ -10,10 +10,14 @@ Grain reads sources from a thread pool, and worker processes pickle them, so:
 
 Rows come back as Python dicts. A row that cannot be decoded raises `RowDecodeError`,
 which the tokenisation pass turns into a counted bad row.
+
+`open_split(cfg, split)` is where a DataConfig's rows come from: the embedded task's
+records (`generated_records`, or `write_generated`'s JSONL files) or the local files.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -22,7 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from ptrain.config.data import TABLE_EXTENSIONS
+from ptrain.config.data import TABLE_EXTENSIONS, DataConfig
+from ptrain.config.seeds import seed_or_default
+from ptrain.data import tasks
+
+SPLITS = ("train", "eval")
 
 
 class RowDecodeError(ValueError):
@@ -224,3 +232,59 @@ def open_source(path: str, kind: str | None = None):
     if kind in TABLE_EXTENSIONS:
         return TableSource(path, kind)
     raise ValueError(f"unknown source kind '{kind}'; pass jsonl, parquet or arrow")
+
+
+# --------------------------------------------------------------------------- splits of a DataConfig
+
+
+def generated_task_seed(cfg: DataConfig) -> int:
+    """data.generated.seed, or the one derived from the default top-level seed when it is null."""
+    return seed_or_default(cfg.generated.seed, "data.generated.seed")
+
+
+def _generate(cfg: DataConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    g = cfg.generated
+    return tasks.generate_records(
+        g.n_train,
+        g.n_eval,
+        kind="preference" if cfg.format == "preference" else "chat",
+        ops=tuple(g.ops),
+        min_digits=g.min_digits,
+        max_digits=g.max_digits,
+        seed=generated_task_seed(cfg),
+    )
+
+
+def generated_records(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
+    """The embedded task's records of one split: chat rows, or preference rows for format=preference."""
+    train, held = _generate(cfg)
+    return train if split == "train" else held
+
+
+def write_generated(cfg: DataConfig, out_dir: str) -> DataConfig:
+    """Write the generated task as JSONL into out_dir; return cfg pointing at those files.
+
+    Files: train.jsonl and eval.jsonl (preference_train.jsonl / preference_eval.jsonl for
+    format=preference). The returned config has source=jsonl; the data are the same rows
+    the generated source would give, so either config trains identically.
+    """
+    if cfg.source != "generated":
+        return cfg
+    prefix = "preference_" if cfg.format == "preference" else ""
+    paths = {}
+    for split, records in zip(SPLITS, _generate(cfg)):
+        # Same rows as on disk (a resumed run): leave the file alone, so its mtime stays.
+        paths[split] = tasks.write_jsonl(records, os.path.join(out_dir, f"{prefix}{split}.jsonl"), if_changed=True)
+    return dataclasses.replace(cfg, source="jsonl", train_path=paths["train"], eval_path=paths["eval"])
+
+
+def open_split(cfg: DataConfig, split: str):
+    """Random-access source of the rows of one split ('train' or 'eval')."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split '{split}'; pass train or eval")
+    if cfg.source == "generated":
+        return ListSource(generated_records(cfg, split), name=f"generated {split}")
+    path = cfg.train_path if split == "train" else cfg.eval_path
+    if path is None:
+        raise ValueError(f"no data.{split}_path is set, so there is no {split} split; pass data.{split}_path=FILE")
+    return open_source(path, cfg.source)

@@ -16,7 +16,8 @@ import dataclasses
 import time
 
 from ptrain.config.data import DataConfig, GeneratedTaskConfig
-from ptrain.data.pipeline import clear_cache, make_sft_iterator, sft_examples
+from ptrain.data.grain_ops import clear_cache
+from ptrain.data.sft import make_sft_iterator, sft_examples
 
 
 def packing_stats(

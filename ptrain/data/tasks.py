@@ -29,6 +29,9 @@ Preference records (DPO) pair the correct worked solution with a plausible wrong
 
     {"prompt": [{"role": "user", ...}], "chosen": [{"role": "assistant", ...}],
      "rejected": [{"role": "assistant", ...}], "task": {...}}
+
+The verifier that grades completions against `task` is the arithmetic environment's
+(ptrain.envs.arithmetic); this module only generates.
 """
 
 from __future__ import annotations
@@ -36,13 +39,11 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-ANSWER_PREFIX = "Answer:"
-_ANSWER_RE = re.compile(r"Answer:\s*(-?\d+)")
+from ptrain.envs.arithmetic import ANSWER_PREFIX, extract_answer
 
 
 @dataclass(frozen=True)
@@ -123,23 +124,6 @@ def _faults(p: Problem) -> list[tuple[str, int]]:
             if extract_answer(worked_solution(p, (kind, i))) != correct:
                 out.append((kind, i))
     return out
-
-
-# --------------------------------------------------------------------------- verifier
-
-
-def extract_answer(completion: str) -> str | None:
-    """The integer after the last `Answer:` in completion, normalised ('007' -> '7'); None if absent."""
-    found = _ANSWER_RE.findall(completion)
-    if not found:
-        return None
-    return str(int(found[-1]))
-
-
-def check_answer(task: dict[str, Any], completion: str) -> bool:
-    """True when completion's final `Answer: n` equals the task's expected answer."""
-    got = extract_answer(completion)
-    return got is not None and got == str(int(task["answer"]))
 
 
 # --------------------------------------------------------------------------- generation

@@ -170,3 +170,9 @@ def get_tokenizer(tokenizer_path: str | None, out_dir: str | None = None, vocab_
     if out_dir is not None and os.path.isfile(os.path.join(out_dir, "tokenizer.json")):
         return load_tokenizer(out_dir)
     return build_tokenizer(out_dir, vocab_size=vocab_size)
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """Ids that end an assistant turn: the chat template's <|im_end|>, else end-of-sequence."""
+    stop = [tokenizer.convert_tokens_to_ids(s) for s in (IM_END,) if s in tokenizer.get_vocab()]
+    return stop or [tokenizer.eos_token_id]

@@ -39,10 +39,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-PREFERENCE_KINDS = ("sigmoid", "robust", "ipo", "hinge", "dpo_norm", "simpo", "orpo", "rpo", "dpop")
-_REFERENCE_FREE = ("simpo", "orpo")
-_NEEDS_COUNTS = ("dpo_norm", "simpo", "orpo", "rpo")
-_SMOOTHABLE = ("sigmoid", "robust", "dpo_norm", "simpo")
+from ptrain.config.choices import LENGTH_NORMALISED_KINDS as _NEEDS_COUNTS
+from ptrain.config.choices import PREFERENCE_KINDS
+from ptrain.config.choices import REFERENCE_FREE_KINDS as _REFERENCE_FREE
+from ptrain.config.choices import SMOOTHABLE_KINDS as _SMOOTHABLE
 
 
 @jax.tree_util.register_dataclass

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from ptrain.config import choices
 from ptrain.config.model import ModelConfig
 from ptrain.models.layers import MLP, Attention, RMSNorm, as_dtype, attention_mask, param, rope_inv_freq, rope_tables
 
@@ -82,9 +83,9 @@ def validate_config(cfg: ModelConfig) -> None:
             f"model.n_kv_heads={cfg.n_kv_heads} must divide model.n_heads={cfg.n_heads}",
         ),
         (cfg.head_dim > 0 and cfg.head_dim % 2 == 0, f"model.head_dim={cfg.head_dim} must be even and > 0 (RoPE)"),
-        (cfg.dtype in ("float32", "bfloat16", "float16"), f"model.dtype={cfg.dtype!r}: pass float32 | bfloat16"),
-        (cfg.param_dtype in ("float32", "bfloat16"), f"model.param_dtype={cfg.param_dtype!r}: pass float32 | bfloat16"),
-        (cfg.remat in ("none", "full", "dots"), f"model.remat={cfg.remat!r}: pass none | full | dots"),
+        (cfg.dtype in choices.COMPUTE_DTYPES, f"model.dtype={cfg.dtype!r}: pass {' | '.join(choices.COMPUTE_DTYPES)}"),
+        (cfg.param_dtype in choices.PARAM_DTYPES, f"model.param_dtype={cfg.param_dtype!r}: pass float32 | bfloat16"),
+        (cfg.remat in choices.REMAT_MODES, f"model.remat={cfg.remat!r}: pass {' | '.join(choices.REMAT_MODES)}"),
         (cfg.sliding_window is None or cfg.sliding_window > 0, "model.sliding_window must be null or > 0"),
     ]
     if cfg.n_experts > 0:

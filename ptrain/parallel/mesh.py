@@ -8,20 +8,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from ptrain.config.choices import MESH_AXES
+from ptrain.config.run import resolve_mesh_shape
 from ptrain.config.train import MeshConfig
-
-MESH_AXES = ("data", "fsdp", "tensor", "expert")
-
-
-def resolve_mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int, int]:
-    fixed = cfg.fsdp * cfg.tensor * cfg.expert
-    data = cfg.data if cfg.data != -1 else n_devices // fixed
-    if data < 1 or data * fixed != n_devices:
-        raise ValueError(
-            f"mesh: data={cfg.data} fsdp={cfg.fsdp} tensor={cfg.tensor} expert={cfg.expert} does not use exactly "
-            f"the {n_devices} devices present; make the product {n_devices} (mesh.data=-1 fills the rest)"
-        )
-    return data, cfg.fsdp, cfg.tensor, cfg.expert
 
 
 def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:

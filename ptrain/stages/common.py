@@ -1,7 +1,15 @@
 """Pieces every stage driver shares: the starting model, the sharded train state, the loop.
 
-These are plain functions, not a Trainer: a stage file wires them together in a few
-lines and owns what is particular to its algorithm (data, objective, evaluation).
+These are plain functions and two small records, not a Trainer. A driver builds
+
+  - a `Stage` (`setup_stage`): tokenizer, model placed on the mesh, optimizer;
+  - an `Algorithm`: its pure objective and denominator (ptrain.train.step), how its summed
+    metrics read on the host, how many tokens a batch holds;
+  - its `Batches`: next batch, get/set state for checkpoints, and a hook after every step
+    (where an RL stage pushes the new weights to its rollout engine);
+
+and hands them to `train_evaluate_export`, which restores the newest checkpoint, builds and
+jits the step once, runs the loop with evaluations and checkpoints, and exports.
 """
 
 from __future__ import annotations
@@ -10,9 +18,9 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -20,10 +28,12 @@ from flax import nnx
 
 from ptrain.checkpoint import StageCheckpointer, abstract_like
 from ptrain.config import RunConfig
+from ptrain.config.seeds import component_seed
 from ptrain.metrics import MetricsLogger, to_host
 from ptrain.parallel import batch_sharding, make_mesh, replicated, shardings_for
 from ptrain.parallel.sharding import DEFAULT_RULES, shardings_following_params
 from ptrain.train.state import ModelDef, TrainState, logical_axes, split_model
+from ptrain.train.step import Denominator, Objective, PostUpdate, make_train_step
 
 
 class TrainingDiverged(RuntimeError):
@@ -73,7 +83,7 @@ def ensure_base_model(run: RunConfig, tokenizer) -> str:
             f"config key 'model.vocab_size': {cfg.vocab_size} is smaller than the tokenizer's "
             f"{len(tokenizer)} tokens; pass 0 to take the tokenizer's size"
         )
-    model = Decoder(cfg, rngs=nnx.Rngs(cfg.seed))
+    model = Decoder(cfg, rngs=nnx.Rngs(component_seed(run, "model.seed")))
     tmp = path + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     save_hf(model, tmp, tokenizer=tokenizer)
@@ -142,7 +152,7 @@ def place_state(run: RunConfig, model, tx, mesh, *, with_reference: bool = False
         step=jax.device_put(jnp.zeros((), jnp.int32), rep),
         params=params,
         opt_state=opt_state,
-        rng=jax.device_put(jax.random.key_data(jax.random.key(run.train.seed)), rep),
+        rng=jax.device_put(jax.random.key_data(jax.random.key(component_seed(run, "train.seed"))), rep),
         model_state=model_state,
         ref_params=ref,
     )
@@ -189,29 +199,149 @@ def check_finite(step: int, metrics: dict) -> None:
         )
 
 
-def train_loop(
+@dataclass(frozen=True)
+class Algorithm:
+    """What a stage kind brings to the shared loop."""
+
+    objective: Objective
+    """Pure objective(params, state, micro_batch, denominator) -> (loss share, summed metrics)."""
+    denominator: Denominator
+    """Pure denominator(global batch), computed once per step for exact accumulation."""
+    finalize: Callable[[dict], dict]
+    """Host side: the step's fetched metrics (summed over micro-batches) -> the logged ones."""
+    tokens_in: Callable[[dict], int]
+    """Tokens a host batch holds (for tokens/s)."""
+
+
+class Batches(Protocol):
+    """The training batches of a stage as the loop reads them."""
+
+    def __next__(self) -> dict:
+        """The next global batch (numpy arrays)."""
+        ...
+
+    def get_state(self) -> Any:
+        """Position to save with a checkpoint (pytree or dict of plain values)."""
+        ...
+
+    def set_state(self, state: Any) -> None:
+        """Continue from a position get_state returned (on resume)."""
+        ...
+
+    def after_step(self, step: int, state: TrainState, metrics: dict) -> None:
+        """Called once step `step` is dispatched, with the new state and the step's metrics
+        (device arrays, not yet fetched: reading one waits for the step). An RL stage pushes
+        the new weights to its rollout engine here."""
+        ...
+
+
+class IteratorBatches:
+    """Batches from a data iterator with get_state/set_state (a grain_ops.DataIterator),
+    each optionally passed through `transform` (e.g. to add precomputed reference values);
+    nothing happens after a step."""
+
+    def __init__(self, iterator, transform: Callable[[dict], dict] | None = None):
+        self.iterator, self.transform = iterator, transform
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        batch = next(self.iterator)
+        return self.transform(batch) if self.transform is not None else batch
+
+    def get_state(self) -> Any:
+        return self.iterator.get_state()
+
+    def set_state(self, state: Any) -> None:
+        self.iterator.set_state(state)
+
+    def after_step(self, step: int, state: TrainState, metrics: dict) -> None:
+        pass
+
+
+@dataclass
+class Stage:
+    """One stage as its driver set it up: what the loop, the evaluators and the export read."""
+
+    run: RunConfig
+    """The stage's own config (stage_config: top-level nodes with its overrides)."""
+    dir: str
+    """<run_dir>/stages/<name>: checkpoints/, export/, metrics.jsonl, DONE.json."""
+    kind: str
+    """Shown in the progress bar and saved in checkpoints: sft, or the preference loss (sigmoid, ...)."""
+    tokenizer: Any
+    placed: Placed
+    """The starting model split for pure steps, its train state on the mesh."""
+    tx: Any
+    """The optax optimizer."""
+    lr: Callable[[Any], Any]
+    """The learning-rate schedule (for the step's lr metric)."""
+    post_update: PostUpdate | None
+    """Model-state update after each optimizer step (the MoE router bias), or None."""
+    t_start: float
+    """time.time() when the driver started (for the summary's wall time)."""
+
+    @property
+    def name(self) -> str:
+        return self.run.stages[0].name
+
+
+def setup_stage(
     run: RunConfig,
+    stage_dir: str,
+    init_path: str | None,
+    tokenizer,
     *,
+    kind: str,
+    t_start: float,
+    with_reference: bool = False,
+) -> Stage:
+    """The mesh, the starting model on it (the embedded one when init_path is None), the
+    optimizer and the placed train state (with a frozen reference copy when asked)."""
+    from ptrain.train.optim import make_optimizer
+
+    mesh = stage_mesh(run)
+    model = load_model(run, init_path or ensure_base_model(run, tokenizer), mesh, tokenizer)
+    tx, lr = make_optimizer(run.optim, run.train.steps)
+    placed = place_state(run, model, tx, mesh, with_reference=with_reference)
+    return Stage(run, stage_dir, kind, tokenizer, placed, tx, lr, router_bias_update(run, model), t_start)
+
+
+def build_step(stage: Stage, algorithm: Algorithm):
+    """The stage's jitted step(state, batch) -> (state, metrics), built once."""
+    step = make_train_step(
+        algorithm.objective,
+        algorithm.denominator,
+        stage.tx,
+        stage.lr,
+        grad_accum=stage.run.train.grad_accum,
+        post_update=stage.post_update,
+    )
+    return jit_step(step, stage.placed)
+
+
+def train_loop(
+    stage: Stage,
+    algorithm: Algorithm,
+    batches: Batches,
     state: TrainState,
-    step_fn: Callable,
-    batches: Iterator[dict],
-    data_state: Callable[[], Any],
-    mesh,
+    *,
+    start_step: int,
     checkpointer: StageCheckpointer,
     logger: MetricsLogger,
-    start_step: int,
-    finalize: Callable[[dict], dict],
-    tokens_in: Callable[[dict], int],
     evaluate: Callable[[TrainState, int], dict] | None = None,
-    meta: dict | None = None,
 ) -> tuple[TrainState, dict]:
     """The thin driver loop: batch -> jitted step -> metrics (one step behind) -> checkpoints/evals.
 
     Metrics of step t are fetched after step t+1 has been dispatched, so the host never
     waits on the device just to log; the NaN check therefore also runs one step behind.
     """
+    run = stage.run
     total = run.train.steps
-    sharding = batch_sharding(mesh)
+    step_fn = build_step(stage, algorithm)
+    sharding = batch_sharding(stage.placed.mesh)
+    meta = {"stage": stage.name, "kind": stage.kind, "config": resolved(run)}
     pending = None  # (step, device metrics, tokens, step wall time)
     last: dict = {}
     t_prev = time.time()
@@ -219,7 +349,7 @@ def train_loop(
     def drain(p):
         nonlocal last
         step, dev_metrics, tokens, dt = p
-        host = finalize(to_host(dev_metrics))
+        host = algorithm.finalize(to_host(dev_metrics))
         host.update(step_time_s=dt, tokens_per_s=tokens / max(dt, 1e-9), tokens=tokens)
         if run.train.nan_check:
             check_finite(step, host)
@@ -229,8 +359,9 @@ def train_loop(
 
     for step in range(start_step + 1, total + 1):
         batch = next(batches)
-        tokens = tokens_in(batch)
+        tokens = algorithm.tokens_in(batch)
         state, metrics = step_fn(state, jax.device_put(batch, sharding))
+        batches.after_step(step, state, metrics)
         # Step time = time between consecutive returns of the step call: with asynchronous
         # dispatch the loop is paced by the device (drain blocks on the previous step), with
         # synchronous dispatch (CPU) it is the compute itself. Either way no extra sync.
@@ -252,7 +383,7 @@ def train_loop(
             if pending is not None:
                 drain(pending)  # the step's metrics reach the JSONL before its checkpoint exists
                 pending = None
-            checkpointer.save(step, state, data_state(), dict(meta or {}, step=step, metrics=last))
+            checkpointer.save(step, state, batches.get_state(), dict(meta, step=step, metrics=last))
     if pending is not None:
         drain(pending)
     checkpointer.wait()
@@ -281,32 +412,27 @@ def stage_mesh(run: RunConfig):
 
 
 def train_evaluate_export(
-    run: RunConfig,
+    stage: Stage,
+    algorithm: Algorithm,
+    batches: Batches,
     *,
-    stage_dir: str,
-    kind: str,
-    placed: Placed,
-    state: TrainState,
-    step_fn: Callable,
-    batches,
     report,
-    evaluators: list[Callable[[TrainState], dict]],
-    checkpointer: StageCheckpointer,
-    start_step: int,
-    finalize: Callable[[dict], dict],
-    tokens_in: Callable[[dict], int],
-    tokenizer,
-    t_start: float,
+    evaluators: list[Callable[[TrainState], dict]] = (),
 ) -> dict:
-    """The part every stage driver ends with: log the data report and the step-0
-    evaluation, run the loop, export the final weights, write DONE.json.
+    """The part every stage driver ends with: resume from the newest readable checkpoint
+    (state and batches), log the data report and the step-0 evaluation, run the loop,
+    export the final weights, write DONE.json.
 
-    `batches` is the stage's batch iterator (with get_state), `report` its bad-row report.
-    Returns the stage summary (final train and eval metrics, export path, wall time).
+    `report` is the bad-row report of the stage's training data. Returns the stage summary
+    (final train and eval metrics, export path, wall time).
     """
     from ptrain.checkpoint import mark_done
 
-    name = run.stages[0].name
+    run = stage.run
+    checkpointer = StageCheckpointer(os.path.join(stage.dir, "checkpoints"), run.checkpoint)
+    start_step, state, data_state = restore_or_start(checkpointer, stage.placed, run.checkpoint.resume)
+    if data_state is not None:
+        batches.set_state(data_state)
 
     def evaluate(state: TrainState, step: int) -> dict:
         out: dict = {}
@@ -315,7 +441,7 @@ def train_evaluate_export(
         return out
 
     logger = MetricsLogger(
-        run.logging, stage_dir, total_steps=run.train.steps, start_step=start_step, name=f"{kind} {name}"
+        run.logging, stage.dir, total_steps=run.train.steps, start_step=start_step, name=f"{stage.kind} {stage.name}"
     )
     try:
         if start_step == 0:
@@ -323,33 +449,28 @@ def train_evaluate_export(
             if evaluators:
                 logger.log(0, evaluate(state, 0), prefix="eval")
         state, last = train_loop(
-            run,
-            state=state,
-            step_fn=step_fn,
-            batches=batches,
-            data_state=batches.get_state,
-            mesh=placed.mesh,
+            stage,
+            algorithm,
+            batches,
+            state,
+            start_step=start_step,
             checkpointer=checkpointer,
             logger=logger,
-            start_step=start_step,
-            finalize=finalize,
-            tokens_in=tokens_in,
             evaluate=evaluate if evaluators else None,
-            meta={"stage": name, "kind": kind, "config": resolved(run)},
         )
     finally:
         checkpointer.close()
         logger.close()
-    export = export_stage(placed, state, stage_dir, tokenizer)
+    export = export_stage(stage.placed, state, stage.dir, stage.tokenizer)
     summary = {k: v for k, v in last.items() if isinstance(v, float)}
     summary.update(
-        stage=name,
+        stage=stage.name,
         steps=run.train.steps,
         export=export,
         bad_rows=report.bad,
-        wall_time_s=round(time.time() - t_start, 1),
+        wall_time_s=round(time.time() - stage.t_start, 1),
     )
-    mark_done(stage_dir, summary)
+    mark_done(stage.dir, summary)
     return summary
 
 

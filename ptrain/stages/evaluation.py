@@ -9,8 +9,10 @@ import jax
 import numpy as np
 
 from ptrain.config import RunConfig
-from ptrain.data.pipeline import EvalPrompt, make_sft_iterator
-from ptrain.data.tasks import check_answer
+from ptrain.data.prompts import EvalPrompt
+from ptrain.data.sft import make_sft_iterator
+from ptrain.data.tokenizer import stop_token_ids
+from ptrain.envs.arithmetic import check_answer
 from ptrain.losses import sft_loss
 from ptrain.parallel import batch_sharding
 from ptrain.train.state import TrainState
@@ -40,12 +42,6 @@ def heldout_loss_evaluator(run: RunConfig, data_cfg, tokenizer, placed) -> Calla
         return {"loss": nll / tokens, "token_accuracy": correct / tokens}
 
     return evaluate
-
-
-def stop_token_ids(tokenizer) -> list[int]:
-    """Ids that end an assistant turn: the chat template's <|im_end|>, else end-of-sequence."""
-    stop = [tokenizer.convert_tokens_to_ids(s) for s in ("<|im_end|>",) if s in tokenizer.get_vocab()]
-    return stop or [tokenizer.eos_token_id]
 
 
 @dataclasses.dataclass

@@ -25,10 +25,12 @@ import time
 from typing import Any
 
 from ptrain.config import RunConfig
-from ptrain.data.pipeline import make_eval_prompts, open_split
 from ptrain.data.preference import preference_conversations
+from ptrain.data.prompts import make_eval_prompts
 from ptrain.data.report import BadRowReport
-from ptrain.data.tasks import check_answer, write_jsonl
+from ptrain.data.sources import open_split
+from ptrain.data.tasks import write_jsonl
+from ptrain.envs.arithmetic import check_answer
 from ptrain.stages.evaluation import complete
 
 PAIRS_FILE = "policy_pairs.jsonl"

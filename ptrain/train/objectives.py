@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ptrain.config.choices import REFERENCE_FREE_KINDS, SFT_AGGREGATIONS
 from ptrain.config.train import DPOAlgoConfig, SFTAlgoConfig
 from ptrain.losses import preference_loss, sequence_logprobs, vocab_stats, vocab_stats_from_hidden
 from ptrain.losses.reduce import sequence_sums
@@ -20,6 +21,10 @@ from ptrain.train.state import ModelDef, TrainState
 def sft_denominator(cfg: SFTAlgoConfig, norm_constant: float):
     """Global-batch denominators of the SFT objective: {"loss": that of the chosen
     aggregation, "tokens": the loss tokens, which weigh the MoE load-balancing term}."""
+    if cfg.aggregation not in SFT_AGGREGATIONS:
+        raise ValueError(
+            f"algo.sft.aggregation: unknown '{cfg.aggregation}'; pass one of {', '.join(SFT_AGGREGATIONS)}"
+        )
 
     def denominator(batch: dict) -> dict[str, jax.Array]:
         mask = batch["loss_mask"].astype(jnp.float32)
@@ -138,7 +143,7 @@ def make_dpo_objective(model_def: ModelDef, cfg: DPOAlgoConfig, *, vocab_chunk: 
     precomputed in one pass) when present, else from `state.ref_params` in the same step.
     Metrics are means over the global batch (already divided by the pair count).
     """
-    reference_free = cfg.kind in ("simpo", "orpo")
+    reference_free = cfg.kind in REFERENCE_FREE_KINDS
 
     def objective(params, state: TrainState, batch: dict, denom: jax.Array):
         pc, pr, nc, nr, model_aux = pair_logprobs(

@@ -1,10 +1,15 @@
-"""Optimizers and learning-rate schedules from OptimConfig, as optax transformations."""
+"""Optimizers and learning-rate schedules from OptimConfig, as optax transformations.
+
+The names they take are ptrain.config.choices.OPTIMIZERS and SCHEDULES; a new one is added
+there (so the config accepts it) and built here.
+"""
 
 from __future__ import annotations
 
 import jax
 import optax
 
+from ptrain.config.choices import OPTIMIZERS, SCHEDULES, one_of
 from ptrain.config.train import OptimConfig
 
 
@@ -21,7 +26,7 @@ def make_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     elif cfg.schedule == "cosine":
         after = optax.cosine_decay_schedule(cfg.lr, decay_steps, alpha=cfg.min_lr_ratio)
     else:
-        raise ValueError(f"optim.schedule: unknown schedule '{cfg.schedule}'; pass constant, linear or cosine")
+        raise ValueError(f"optim.schedule: unknown schedule '{cfg.schedule}'; pass {one_of(SCHEDULES)}")
     if warmup == 0:
         return after
     return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warmup), after], [warmup])
@@ -61,6 +66,6 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> tuple[optax.GradientTr
     elif cfg.name == "sgd":
         opt = optax.sgd(lr, momentum=cfg.b1 or None)
     else:
-        raise ValueError(f"optim.name: unknown optimizer '{cfg.name}'; pass adamw, adam, sgd, adafactor or lion")
+        raise ValueError(f"optim.name: unknown optimizer '{cfg.name}'; pass {one_of(OPTIMIZERS)}")
     chain = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
     return optax.chain(*chain, opt), lr

@@ -8,7 +8,7 @@ import pytest
 from ptrain.data import JsonlSource, make_preference_iterator, make_preference_pass, preference_examples
 from ptrain.data import report as R
 from ptrain.data.preference import tokenize_preference_rows
-from ptrain.data.tasks import check_answer
+from ptrain.envs.arithmetic import check_answer
 
 B, L = 4, 128
 SIDE_KEYS = ("input_ids", "target_ids", "loss_mask", "segment_ids", "positions")
@@ -46,7 +46,7 @@ def test_batch_layout_and_masks(tokenizer, make_cfg):
 
 def test_generated_pairs_chosen_correct_rejected_wrong(tokenizer, make_cfg):
     batch = next(make_preference_iterator(_pref_cfg(make_cfg), tokenizer, batch_size=B, seq_len=L, seed=0))
-    from ptrain.data.pipeline import generated_records
+    from ptrain.data.sources import generated_records
 
     records = generated_records(_pref_cfg(make_cfg), "train")
     pairs, _ = preference_examples(_pref_cfg(make_cfg), tokenizer, seq_len=L)

@@ -132,6 +132,30 @@ def test_sweep_runs_every_job_in_its_own_folder(tmp_path):
     assert len(lrs) == 2
 
 
+@pytest.mark.slow
+def test_seed_sweep_gives_different_runs_and_a_repeated_seed_the_same_run(tmp_path):
+    """`-m seed=1,2,1`: the top-level seed reaches the model's init, the data and the task
+    (every component seed derives from it), so seeds 1 and 2 train differently and the
+    two seed-1 jobs are bit-identical; each job's config.yaml holds the concrete seeds."""
+    from ptrain.config.seeds import derive_seed
+
+    cli(
+        "-m",
+        *TINY,
+        "train.steps=3",
+        "train.eval_every=0",
+        "checkpoint.every_steps=0",
+        f"hydra.sweep.dir={tmp_path}",
+        "seed=1,2,1",
+    )
+    losses = [train_losses(tmp_path / f"job{i}" / "stages" / "sft") for i in range(3)]
+    assert len(losses[0]) == 3
+    assert losses[0] == losses[2], "the same seed twice must give the same run"
+    assert all(a != b for a, b in zip(losses[0], losses[1])), "two seeds must give different runs"
+    saved = (tmp_path / "job1" / "config.yaml").read_text()
+    assert "seed: 2\n" in saved and f"seed: {derive_seed(2, 'model.seed')}" in saved
+
+
 def test_a_later_stage_that_does_not_fit_the_mesh_stops_the_run_before_any_training(tmp_path, monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
     stages = "stages=[{name: a, kind: sft}, {name: b, kind: sft, train: {global_batch_size: 9}}]"

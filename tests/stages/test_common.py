@@ -1,12 +1,32 @@
-"""Stage-driver checks that run before any training step."""
+"""Stage drivers' shared parts: checks before any training step, and the loop's seam."""
+
+import dataclasses
+import os
+import time
 
 import pytest
 from flax import nnx
 
-from ptrain.config import ModelConfig, RunConfig
-from ptrain.data import build_tokenizer
+from ptrain.config import (
+    CheckpointConfig,
+    DataConfig,
+    GeneratedTaskConfig,
+    LoggingConfig,
+    ModelConfig,
+    RunConfig,
+    TrainConfig,
+)
+from ptrain.data import build_tokenizer, make_sft_iterator, write_generated
 from ptrain.models import Decoder, save_hf
-from ptrain.stages.common import load_model, stage_mesh
+from ptrain.stages.common import (
+    IteratorBatches,
+    load_model,
+    setup_stage,
+    stage_mesh,
+    tokenizer_for,
+    train_evaluate_export,
+)
+from ptrain.stages.sft import sft_algorithm
 
 
 def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path):
@@ -21,3 +41,50 @@ def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path):
     assert len(tokenizer) > 64
     with pytest.raises(ValueError, match=r"vocabulary of 64 but the tokenizer has \d+ tokens"):
         load_model(run, str(tmp_path), stage_mesh(run), tokenizer)
+
+
+class RecordingBatches(IteratorBatches):
+    """Batches that note every after_step call and every state they are set to."""
+
+    def __init__(self, iterator):
+        super().__init__(iterator)
+        self.after, self.restored = [], []
+
+    def after_step(self, step, state, metrics):
+        self.after.append((step, int(state.step), "loss" in metrics and "grad_norm" in metrics))
+
+    def set_state(self, state):
+        self.restored.append(state)
+        super().set_state(state)
+
+
+def test_the_loop_seam_calls_after_step_each_step_and_resumes_the_batches(tmp_path):
+    """The seam an RL stage plugs into: after_step(step, new state, metrics) once per step, and
+    on resume the batches get the state saved with the checkpoint."""
+    run = RunConfig(
+        run_dir=str(tmp_path),
+        model=ModelConfig(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=48, max_seq_len=64),
+        data=DataConfig(generated=GeneratedTaskConfig(n_train=40, n_eval=8), tokenizer_vocab_size=300),
+        train=TrainConfig(steps=2, global_batch_size=2, seq_len=32, eval_every=0, eval_batches=0, eval_generate=0),
+        logging=LoggingConfig(console=False, tensorboard=False, jsonl=True),
+        checkpoint=CheckpointConfig(every_steps=2, async_save=False),
+    )
+    tokenizer = tokenizer_for(run, None)
+    data_cfg = write_generated(run.data, str(tmp_path / "data"))
+    stage_dir = str(tmp_path / "stages" / "sft")
+
+    def launch(steps):
+        r = dataclasses.replace(run, train=dataclasses.replace(run.train, steps=steps))
+        it = make_sft_iterator(data_cfg, tokenizer, batch_size=2, seq_len=32)
+        stage = setup_stage(r, stage_dir, None, tokenizer, kind="sft", t_start=time.time())
+        batches = RecordingBatches(it)
+        summary = train_evaluate_export(stage, sft_algorithm(r, stage.placed.model_def), batches, report=it.report)
+        return batches, summary
+
+    first, summary = launch(2)
+    assert first.after == [(1, 1, True), (2, 2, True)]
+    assert first.restored == [] and summary["steps"] == 2
+    assert os.path.isfile(os.path.join(stage_dir, "DONE.json"))
+    again, _ = launch(3)  # the same stage with one more step: resumes from step 2
+    assert again.after == [(3, 3, True)]
+    assert len(again.restored) == 1 and "ptrain_examples" in again.restored[0]

@@ -4,10 +4,10 @@ each prompt's greedy completion what it is alone."""
 from flax import nnx
 
 from ptrain.config import ModelConfig
-from ptrain.data.tokenizer import build_tokenizer
+from ptrain.data.tokenizer import build_tokenizer, stop_token_ids
 from ptrain.models import Decoder
 from ptrain.models.generate import generate
-from ptrain.stages.evaluation import complete, stop_token_ids
+from ptrain.stages.evaluation import complete
 
 
 def test_complete_matches_one_prompt_at_a_time_and_reports_how_each_ended():

@@ -7,7 +7,7 @@ from flax import nnx
 
 from ptrain.config import DataConfig
 from ptrain.config.data import GeneratedTaskConfig
-from ptrain.data.pipeline import pack_examples, shifted_examples, unpacked_batch
+from ptrain.data.sft import pack_examples, shifted_examples, unpacked_batch
 from ptrain.data.tokenizer import build_tokenizer
 from ptrain.losses.sft import sft_token_losses
 from ptrain.models import Decoder

@@ -1,4 +1,4 @@
-"""SFT pipeline: batch contract, packing invariants, epochs, exact resume, eval passes, prompts."""
+"""SFT pipeline: batch contract, packing invariants, epochs, exact resume, eval passes."""
 
 import numpy as np
 import pytest
@@ -8,8 +8,6 @@ from hypothesis import strategies as st
 from ptrain.config.data import GeneratedTaskConfig
 from ptrain.data import (
     CONTRACT_KEYS,
-    batch_prompts,
-    make_eval_prompts,
     make_sft_iterator,
     pack_examples,
     sft_examples,
@@ -17,7 +15,6 @@ from ptrain.data import (
     unpacked_batch,
     write_generated,
 )
-from ptrain.data.tasks import check_answer
 
 B, L = 4, 128
 
@@ -177,23 +174,6 @@ def test_pack_examples_matches_unpacked(tokenizer, make_cfg):
         assert (unpacked["segment_ids"][k, n:] == 0).all()
 
 
-def test_eval_prompts_carry_answers_and_batch(tokenizer, make_cfg):
-    cfg = make_cfg()
-    prompts = make_eval_prompts(cfg, tokenizer)
-    assert len(prompts) == 24
-    p = prompts[0]
-    assert tokenizer.decode(p.prompt_ids).endswith("<|im_start|>assistant\n")
-    assert check_answer(p.task, p.reference) and p.task["kind"] == "arithmetic"
-    batches = list(batch_prompts(prompts, 5, tokenizer.pad_token_id, pad_to=32))
-    assert len(batches) == 5 and all(b["prompt_ids"].shape == (5, 32) for b in batches)
-    last = batches[-1]
-    assert last["valid"].tolist() == [True, True, True, True, False] and len(last["prompts"]) == 4
-    row = batches[0]["prompt_ids"][0]
-    n = batches[0]["prompt_lens"][0]
-    np.testing.assert_array_equal(row[32 - n :], prompts[0].prompt_ids)
-    assert (row[: 32 - n] == tokenizer.pad_token_id).all()
-
-
 def test_written_files_train_identically(tokenizer, make_cfg, tmp_path):
     cfg = make_cfg()
     on_disk = write_generated(cfg, str(tmp_path))
@@ -292,22 +272,6 @@ def test_resume_on_changed_data_is_refused(tokenizer, make_cfg, tmp_path):
         fresh.set_state(old)
 
 
-def test_prompt_iterator_for_rl_shuffles_covers_and_resumes(tokenizer, make_cfg):
-    from ptrain.data import make_prompt_iterator
-
-    cfg = make_cfg()
-    it = make_prompt_iterator(cfg, tokenizer, batch_size=8, seed=5)
-    epoch = [p for _ in range(15) for p in next(it)]  # 120 prompts / 8
-    assert sorted(p.row for p in epoch) == list(range(120))
-    assert [p.row for p in epoch] != list(range(120))
-    assert all(p.task and p.task["answer"] for p in epoch)
-    state = it.get_state()
-    want = [p.row for p in next(it)]
-    fresh = make_prompt_iterator(cfg, tokenizer, batch_size=8, seed=5)
-    fresh.set_state(state)
-    assert [p.row for p in next(fresh)] == want
-
-
 def test_preference_format_in_an_sft_stage_is_refused(tokenizer, make_cfg):
     with pytest.raises(ValueError, match="DPO stages"):
         make_sft_iterator(make_cfg(format="preference"), tokenizer, batch_size=B, seq_len=L)
@@ -341,7 +305,7 @@ def test_any_lengths_pack_into_whole_examples(lengths, packing, batch):
     eval pass, with targets that never leave their segment."""
     from ptrain.config.data import DataConfig
     from ptrain.data.chat import TokenizedRows
-    from ptrain.data.pipeline import sft_batches
+    from ptrain.data.sft import sft_batches
 
     seq = 16
     rng = np.random.default_rng(len(lengths))

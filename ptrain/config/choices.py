@@ -1,0 +1,54 @@
+"""Every named choice a config field takes, in one jax-free place.
+
+Config validation rejects a value outside these tuples (naming the key and listing them),
+and the code that acts on a choice imports the same tuple: the optimizer factory, the
+losses and objectives, the decoder's own check, the mesh. A new option (a GRPO loss, a
+schedule) is added here once, next to the code that implements it.
+"""
+
+from __future__ import annotations
+
+from ptrain.stages import STAGES
+
+# --- stages: the registry in ptrain/stages/__init__.py is the table; this is its key list
+STAGE_KINDS: tuple[str, ...] = tuple(STAGES)
+"""Stage kinds with a driver (stages[i].kind)."""
+STAGE_INITS = ("previous", "base")
+"""Named starting points of a stage (stages[i].init); any other value is a Hugging Face folder."""
+
+# --- optimizer (optim.*), built by ptrain.train.optim
+OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "lion")
+SCHEDULES = ("constant", "linear", "cosine")
+
+# --- model numerics (model.*), read by ptrain.models.decoder
+COMPUTE_DTYPES = ("float32", "bfloat16")
+"""model.dtype. float16 is refused: its 5-bit exponent underflows small gradients and
+overflows large activations unless the loss is scaled, and ptrain has no loss scaling;
+bfloat16 has float32's range and is what accelerators train in."""
+PARAM_DTYPES = ("float32", "bfloat16")
+REMAT_MODES = ("none", "full", "dots")
+ROUTERS = ("softmax", "sigmoid")
+
+# --- algorithms (algo.*), used by ptrain.losses and ptrain.train.objectives
+SFT_AGGREGATIONS = ("token_mean", "sequence_mean", "sum")
+PREFERENCE_KINDS = ("sigmoid", "ipo", "hinge", "robust", "dpo_norm", "simpo", "orpo", "rpo", "dpop")
+REFERENCE_FREE_KINDS = ("simpo", "orpo")
+"""Preference kinds that never read the reference model (no frozen copy, no precompute pass)."""
+LENGTH_NORMALISED_KINDS = ("dpo_norm", "simpo", "orpo", "rpo")
+"""Preference kinds that need per-sequence token counts."""
+SMOOTHABLE_KINDS = ("sigmoid", "robust", "dpo_norm", "simpo")
+"""Preference kinds that take algo.dpo.label_smoothing."""
+
+# --- data (data.*), used by ptrain.data
+SOURCE_KINDS = ("generated", "jsonl", "parquet", "arrow")
+FORMATS = ("auto", "chat", "prompt_completion", "preference")
+BAD_ROW_POLICIES = ("skip", "fail")
+TASK_OPS = ("+", "-", "*")
+
+# --- mesh (mesh.*), built by ptrain.parallel.mesh
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
+
+
+def one_of(choices: tuple[str, ...]) -> str:
+    """'a, b or c': the options of a choice as a message lists them."""
+    return ", ".join(choices[:-1]) + " or " + choices[-1] if len(choices) > 1 else choices[0]
