@@ -1,0 +1,94 @@
+"""Options of the `nemo_gym` environment kind: ptrain plays NeMo Gym's simple agent against a
+NeMo Gym resources server (shared/reference/nemo_gym.md; ptrain/envs/nemo_gym.py).
+
+    env:
+      kind: nemo_gym
+      options:
+        url: http://127.0.0.1:8001          # python tools/nemo_gym_servers.py NAME prints it
+        rows: data/example.jsonl             # NeMo Gym rows: responses_create_params + task fields
+
+Jax-free, like the rest of ptrain.config.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from ptrain.config.env import EnvConfigError, register_options
+
+BAD_ROW_POLICIES = ("fail", "skip")
+
+
+@register_options("nemo_gym")
+@dataclass
+class NemoGymOptions:
+    """Where the resources server is, which rows to play, and the episode's limits."""
+
+    url: str | None = None
+    """Base URL of the resources server (http://host:port, no trailing route). Its routes:
+    /seed_session, one POST route per tool, /verify, /aggregate_metrics."""
+    rows: str | None = None
+    """NeMo Gym JSONL rows: {"responses_create_params": {"input": [...], "tools": [...]},
+    ...task fields}, e.g. a server's data/example.jsonl. The training split, and the held-out
+    one too when eval_rows is null (its first n_eval rows; the rest train)."""
+    eval_rows: str | None = None
+    """JSONL rows of the held-out split (same format); null: from `rows` as above."""
+    max_turns: int = 8
+    """Model calls per episode at most (>= 1; NeMo Gym's max_steps). An episode that still
+    calls tools after the last one ends with finish_reason turn_limit and is verified as is."""
+    max_episode_tokens: int | None = None
+    """Tokens of the whole episode (prompt, policy and tool turns) at most (>= 1); null: the
+    engine's context length bounds it."""
+    max_tool_output_chars: int = 8000
+    """Characters of one tool's answer that go into the policy's context (>= 1); the verify
+    request still carries the whole answer."""
+    connect_timeout_s: float = 5.0
+    """Seconds (> 0) to open a connection to the server before the episode fails with the URL named."""
+    request_timeout_s: float = 60.0
+    """Seconds (> 0) one /seed_session or tool call may take."""
+    verify_timeout_s: float = 300.0
+    """Seconds (> 0) one /verify may take (an LLM judge behind it can be slow)."""
+    developer_as_system: bool = True
+    """Render Responses `developer` messages as `system` ones: most chat templates know no
+    developer role (NeMo Gym's vLLM model server has the same switch)."""
+    think_tags: bool = True
+    """Text in <think>...</think> of a policy turn goes into a Responses `reasoning` item, not
+    the message text the verifier reads (as NeMo Gym's model servers split it)."""
+    reward_components_tolerance: float = 1e-6
+    """|reward - sum(reward_components)| allowed (>= 0); more is a reward_error (NeMo RL
+    requires reward == the components' sum)."""
+    bad_rows: str = "fail"
+    """What a malformed row does: fail (the environment refuses to start, naming the file,
+    the line and the problem) or skip (counted, with line numbers, in `NemoGymEnv.bad_rows`)."""
+
+    def validate(self, where: str) -> None:
+        def check(cond: bool, key: str, msg: str) -> None:
+            if not cond:
+                raise EnvConfigError(f"config key '{where}.{key}': {msg}")
+
+        check(self.url is not None, "url",
+              "the resources server's base URL is required, e.g. http://127.0.0.1:8001 "
+              "(python tools/nemo_gym_servers.py NAME serves one and prints it)")  # fmt: skip
+        parts = urlsplit(self.url)
+        check(parts.scheme in ("http", "https") and bool(parts.netloc), "url",
+              f"must be http://host:port or https://host:port, got {self.url!r}")  # fmt: skip
+        check(parts.path in ("", "/") and not parts.query, "url",
+              f"give the server's base URL without a route or query, got {self.url!r}")  # fmt: skip
+        check(self.rows is not None, "rows", "a NeMo Gym JSONL file is required (e.g. a server's data/example.jsonl)")
+        for key in ("rows", "eval_rows"):
+            path = getattr(self, key)
+            check(path is None or os.path.isfile(path), key,
+                  f"no file '{path}'; pass a NeMo Gym JSONL file (one row object per line)")  # fmt: skip
+        check(self.max_turns >= 1, "max_turns", f"must be >= 1, got {self.max_turns}")
+        check(self.max_episode_tokens is None or self.max_episode_tokens >= 1, "max_episode_tokens",
+              f"must be >= 1 or null, got {self.max_episode_tokens}")  # fmt: skip
+        check(self.max_tool_output_chars >= 1, "max_tool_output_chars",
+              f"must be >= 1, got {self.max_tool_output_chars}")  # fmt: skip
+        for key in ("connect_timeout_s", "request_timeout_s", "verify_timeout_s"):
+            check(getattr(self, key) > 0, key, f"must be > 0 seconds, got {getattr(self, key)}")
+        check(self.reward_components_tolerance >= 0, "reward_components_tolerance",
+              f"must be >= 0, got {self.reward_components_tolerance}")  # fmt: skip
+        check(self.bad_rows in BAD_ROW_POLICIES, "bad_rows",
+              f"must be one of {list(BAD_ROW_POLICIES)}, got {self.bad_rows!r}")  # fmt: skip
