@@ -29,7 +29,7 @@ class SandboxConfig:
     Python MemoryError). The sum over processes is bounded by max_processes * memory_mb."""
     max_processes: int = 64
     """Processes and threads of the sandbox user (RLIMIT_NPROC, counted per sandbox); a fork
-    bomb stops here. The sandbox's own helper processes count too (two or three)."""
+    bomb stops here. The sandbox's PID 1 (a shell) counts as one where it runs as that user."""
     file_size_mb: int = 64
     """Largest file the command may write, in MiB (RLIMIT_FSIZE)."""
     max_open_files: int = 256
@@ -101,8 +101,8 @@ class SandboxConfig:
                 raise ValueError(f"sandbox.{name}={value!r}: must be a positive integer")
         if self.max_processes < 4:
             raise ValueError(
-                f"sandbox.max_processes={self.max_processes}: must be >= 4 (the sandbox's own "
-                "helpers take two or three processes before the command starts)"
+                f"sandbox.max_processes={self.max_processes}: must be >= 4 (the sandbox's PID 1 "
+                "may count as one before the command starts)"
             )
         if self.max_open_files < 16:
             raise ValueError(f"sandbox.max_open_files={self.max_open_files}: must be >= 16")
