@@ -228,6 +228,11 @@ class Batches(Protocol):
         """Continue from a position get_state returned (on resume)."""
         ...
 
+    def begin(self, step: int, state: TrainState) -> None:
+        """Called once before the loop's first step, with the state it starts from (fresh, or
+        restored at `step`). An RL stage brings its rollout engine to these weights here."""
+        ...
+
     def after_step(self, step: int, state: TrainState, metrics: dict) -> None:
         """Called once step `step` is dispatched, with the new state and the step's metrics
         (device arrays, not yet fetched: reading one waits for the step). An RL stage pushes
@@ -255,6 +260,9 @@ class IteratorBatches:
 
     def set_state(self, state: Any) -> None:
         self.iterator.set_state(state)
+
+    def begin(self, step: int, state: TrainState) -> None:
+        pass
 
     def after_step(self, step: int, state: TrainState, metrics: dict) -> None:
         pass
@@ -357,6 +365,7 @@ def train_loop(
             logger.log(step, host)
         last = host
 
+    batches.begin(start_step, state)
     for step in range(start_step + 1, total + 1):
         batch = next(batches)
         tokens = algorithm.tokens_in(batch)

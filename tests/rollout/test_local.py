@@ -255,7 +255,11 @@ def test_weight_swaps_drain_in_place_and_abort(model):
         _, new_params, _ = nnx.split(other, nnx.Param, ...)
         new_params = nnx.to_pure_dict(new_params)
         # drain: the running request finishes on v0, then the swap.
-        running = eng.submit(req(p, max_new_tokens=CTX - 8, temperature=0.0, ignore_eos=True))
+        started = threading.Event()
+        running = eng.submit(
+            req(p, max_new_tokens=CTX - 8, temperature=0.0, ignore_eos=True), on_update=lambda s: started.set()
+        )
+        assert started.wait(60)  # admitted before the swap is asked for
         assert eng.update_weights(new_params, weight_version="v1") == "v1"
         old = running.result(60)[0]
         assert old.weight_version == "v0" and [w.version for w in old.weight_versions] == ["v0"]

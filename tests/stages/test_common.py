@@ -44,11 +44,14 @@ def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path):
 
 
 class RecordingBatches(IteratorBatches):
-    """Batches that note every after_step call and every state they are set to."""
+    """Batches that note every begin and after_step call and every state they are set to."""
 
     def __init__(self, iterator):
         super().__init__(iterator)
-        self.after, self.restored = [], []
+        self.after, self.restored, self.began = [], [], []
+
+    def begin(self, step, state):
+        self.began.append((step, int(state.step)))
 
     def after_step(self, step, state, metrics):
         self.after.append((step, int(state.step), "loss" in metrics and "grad_norm" in metrics))
@@ -59,8 +62,9 @@ class RecordingBatches(IteratorBatches):
 
 
 def test_the_loop_seam_calls_after_step_each_step_and_resumes_the_batches(tmp_path):
-    """The seam an RL stage plugs into: after_step(step, new state, metrics) once per step, and
-    on resume the batches get the state saved with the checkpoint."""
+    """The seam an RL stage plugs into: begin(start step, state) once before the loop,
+    after_step(step, new state, metrics) once per step, and on resume the batches get the
+    state saved with the checkpoint (and begin the restored state)."""
     run = RunConfig(
         run_dir=str(tmp_path),
         model=ModelConfig(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=48, max_seq_len=64),
@@ -82,9 +86,9 @@ def test_the_loop_seam_calls_after_step_each_step_and_resumes_the_batches(tmp_pa
         return batches, summary
 
     first, summary = launch(2)
-    assert first.after == [(1, 1, True), (2, 2, True)]
+    assert first.after == [(1, 1, True), (2, 2, True)] and first.began == [(0, 0)]
     assert first.restored == [] and summary["steps"] == 2
     assert os.path.isfile(os.path.join(stage_dir, "DONE.json"))
     again, _ = launch(3)  # the same stage with one more step: resumes from step 2
-    assert again.after == [(3, 3, True)]
+    assert again.after == [(3, 3, True)] and again.began == [(2, 2)]
     assert len(again.restored) == 1 and "ptrain_examples" in again.restored[0]
