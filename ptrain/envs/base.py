@@ -142,8 +142,17 @@ class Trajectory:
             "metrics": dict(self.metrics),
             "weight_versions": list(self.weight_versions),
             "tokens": dataclasses.asdict(self.tokens),
-            "turns": [{k: v for k, v in dataclasses.asdict(t).items() if v not in (None, "", 0.0)} for t in self.turns],
+            "turns": [_turn_record(t) for t in self.turns],
         }
+
+
+def _turn_record(turn: Turn) -> dict[str, Any]:
+    """A turn's fields, leaving out optional ones at their defaults (start 0 and exit code 0 stay)."""
+    return {
+        f.name: getattr(turn, f.name)
+        for f in dataclasses.fields(turn)
+        if f.default is dataclasses.MISSING or getattr(turn, f.name) != f.default
+    }
 
 
 @runtime_checkable
