@@ -39,6 +39,18 @@ LENGTH_NORMALISED_KINDS = ("dpo_norm", "simpo", "orpo", "rpo")
 SMOOTHABLE_KINDS = ("sigmoid", "robust", "dpo_norm", "simpo")
 """Preference kinds that take algo.dpo.label_smoothing."""
 
+# --- RL (algo.grpo.*), used by ptrain.losses.policy, ptrain.losses.advantages, ptrain.stages.grpo
+POLICY_OBJECTIVES = ("ppo", "cispo")
+RATIO_LEVELS = ("token", "sequence")
+POLICY_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+IS_CORRECTIONS = (None, "tis", "mis")
+IS_LEVELS = ("token", "sequence", "geometric")
+ADVANTAGE_BASELINES = ("mean", "leave_one_out")
+GRPO_MODES = ("sync", "async")
+ROLLOUT_KINDS = ("local", "sglang")
+WEIGHT_DTYPES = ("bfloat16", "float32")
+
 # --- data (data.*), used by ptrain.data
 SOURCE_KINDS = ("generated", "jsonl", "parquet", "arrow")
 FORMATS = ("auto", "chat", "prompt_completion", "preference")

@@ -14,6 +14,7 @@ from omegaconf.errors import OmegaConfBaseException
 from ptrain.config import choices as C
 from ptrain.config.choices import one_of
 from ptrain.config.data import DataConfig, validate_data_config
+from ptrain.config.grpo import CostConfig, RolloutConfig, validate_grpo
 from ptrain.config.model import ModelConfig
 from ptrain.config.seeds import DEFAULT_SEED, resolve_seeds
 from ptrain.config.train import (
@@ -51,6 +52,10 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """The rollout engine of stages that sample (grpo, eval): local or an SGLang fleet."""
+    cost: CostConfig = field(default_factory=CostConfig)
+    """Prices behind the cost accounting of sampling stages."""
     stages: list[StageConfig] = field(default_factory=lambda: [StageConfig()])
     """Ordered stages of the recipe; each starts from the previous one's export."""
     recipe: Any | None = None
@@ -65,6 +70,7 @@ _GROUPS = {
     "mesh": MeshConfig,
     "logging": LoggingConfig,
     "checkpoint": CheckpointConfig,
+    "rollout": RolloutConfig,
 }
 
 
@@ -107,6 +113,8 @@ def stage_config(run: RunConfig, stage: StageConfig) -> RunConfig:
         ) from None
     out.stages = [stage]
     resolve_seeds(out)  # a stage that sets a component seed back to null gets the derived one
+    if stage.kind == "grpo":
+        _grpo_stage_batch(out, f"stage '{stage.name}': ")
     _validate_values(out, where=f"stage '{stage.name}': ")
     need = STAGES[stage.kind].data_format if stage.kind in STAGES else None
     if need is not None and out.data.format != need:
@@ -115,6 +123,41 @@ def stage_config(run: RunConfig, stage: StageConfig) -> RunConfig:
             f"got format '{out.data.format}'; set data: {{format: {need}}} in the stage"
         )
     return out
+
+
+def _grpo_stage_batch(run: RunConfig, where: str) -> None:
+    """A grpo stage's optimizer step takes prompts_per_step x group_size / mini_batches rows:
+    that is its train.global_batch_size, whatever the node says, and a rollout batch lasts
+    epochs x mini_batches optimizer steps, which train.steps and checkpoint.every_steps
+    must count in whole rollout batches (a checkpoint then never splits one)."""
+    g = run.algo.grpo
+    run.train.global_batch_size = g.prompts_per_step * g.group_size // max(g.mini_batches, 1)
+    per = g.epochs * g.mini_batches
+    _check(
+        run.train.steps % per == 0,
+        "train.steps",
+        f"counts optimizer steps; a rollout batch takes epochs x mini_batches = {per}: pass a multiple of {per}",
+        where,
+    )
+    _check(
+        run.checkpoint.every_steps % per == 0,
+        "checkpoint.every_steps",
+        f"must be a multiple of epochs x mini_batches = {per} (whole rollout batches)",
+        where,
+    )
+    _check(
+        run.train.global_batch_size % run.train.grad_accum == 0,
+        "train.grad_accum",
+        f"must divide the {run.train.global_batch_size} rows of an optimizer step "
+        "(prompts_per_step x group_size / mini_batches)",
+        where,
+    )
+    _check(
+        g.max_new_tokens < run.train.seq_len,
+        "algo.grpo.max_new_tokens",
+        f"{g.max_new_tokens} leaves no room for the prompt in train.seq_len={run.train.seq_len}; raise seq_len",
+        where,
+    )
 
 
 def shadowed_overrides(run: RunConfig, overrides: list[str]) -> list[str]:
@@ -272,6 +315,18 @@ def _validate_values(run: RunConfig, where: str = "") -> None:
         "algo.dpo.policy_max_new_tokens",
         f"must be >= 1, got {a.dpo.policy_max_new_tokens}",
     )
+    validate_grpo(a.grpo, c)
+    ro = run.rollout
+    c(ro.kind in C.ROLLOUT_KINDS, "rollout.kind", f"pass {one_of(C.ROLLOUT_KINDS)}, got '{ro.kind}'")
+    c(ro.max_running_requests >= 1, "rollout.max_running_requests", f"must be >= 1, got {ro.max_running_requests}")
+    c(ro.context_length is None or ro.context_length >= 2, "rollout.context_length", "must be null or >= 2")
+    c(ro.decode_steps >= 1, "rollout.decode_steps", f"must be >= 1, got {ro.decode_steps}")
+    c(ro.weight_dtype in C.WEIGHT_DTYPES, "rollout.weight_dtype", f"pass {one_of(C.WEIGHT_DTYPES)}")
+    c(ro.keep_weight_versions >= 1, "rollout.keep_weight_versions", f"must be >= 1, got {ro.keep_weight_versions}")
+    for key in ("request_timeout_s", "unhealthy_timeout_s"):
+        c(getattr(ro, key) > 0, f"rollout.{key}", f"must be > 0, got {getattr(ro, key)}")
+    for f in dataclasses.fields(run.cost):
+        c(getattr(run.cost, f.name) >= 0, f"cost.{f.name}", f"a price must be >= 0, got {getattr(run.cost, f.name)}")
     try:
         validate_data_config(run.data)
     except (ValueError, FileNotFoundError) as e:

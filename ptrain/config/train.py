@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ptrain.config.grpo import GRPOAlgoConfig
+
 
 @dataclass
 class TrainConfig:
@@ -180,6 +182,8 @@ class AlgoConfig:
     """Settings of SFT stages."""
     dpo: DPOAlgoConfig = field(default_factory=DPOAlgoConfig)
     """Settings of DPO-family stages."""
+    grpo: GRPOAlgoConfig = field(default_factory=GRPOAlgoConfig)
+    """Settings of GRPO-family stages (ptrain/config/grpo.py)."""
 
 
 @dataclass

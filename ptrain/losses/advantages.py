@@ -18,7 +18,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-BASELINES = ("mean", "leave_one_out")
+from ptrain.config.choices import ADVANTAGE_BASELINES as BASELINES
 
 
 @jax.tree_util.register_dataclass

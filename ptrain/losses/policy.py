@@ -55,14 +55,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from ptrain.config.choices import IS_CORRECTIONS, IS_LEVELS, KL_ESTIMATORS, RATIO_LEVELS
+from ptrain.config.choices import POLICY_AGGREGATIONS as AGGREGATIONS
+from ptrain.config.choices import POLICY_OBJECTIVES as OBJECTIVES
 from ptrain.losses.reduce import masked_max, masked_mean, safe_divide
 
-OBJECTIVES = ("ppo", "cispo")
-RATIO_LEVELS = ("token", "sequence")
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-IS_CORRECTIONS = (None, "tis", "mis")
-IS_LEVELS = ("token", "sequence", "geometric")
 _LOG_RATIO_LIMIT = 20.0  # exp(20) ~ 5e8: beyond it a ratio is meaningless and only risks inf
 
 

@@ -1,0 +1,236 @@
+"""Config of GRPO-family stages (`algo.grpo`), of the rollout engine (`rollout`) and of cost
+accounting (`cost`). Jax-free: the CLI validates these before importing jax.
+
+Every field is documented where declared. The loss options map one to one onto
+`ptrain.losses.policy_loss` (formulas and papers there); the named algorithms are presets
+of these fields (recipes/ and the table below):
+
+  GRPO      baseline mean, normalize_std, aggregation seq_mean_token_mean, kl_coef 0.04
+  Dr. GRPO  baseline mean, normalize_std false, aggregation seq_mean_token_sum_norm, kl_coef 0
+  DAPO      clip_high 0.28, aggregation token_mean, dynamic_sampling, overlong_filter or
+            overlong_buffer, kl_coef 0, dual_clip 10
+  GSPO      ratio_level sequence, clip_low 3e-4, clip_high 4e-4, aggregation seq_mean_token_mean
+  CISPO     objective cispo, clip_low 1 (no lower bound), clip_high 4
+  RLOO      baseline leave_one_out (normalize_std true or false)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ptrain.config.choices import (
+    ADVANTAGE_BASELINES,
+    GRPO_MODES,
+    IS_CORRECTIONS,
+    IS_LEVELS,
+    KL_ESTIMATORS,
+    POLICY_AGGREGATIONS,
+    POLICY_OBJECTIVES,
+    RATIO_LEVELS,
+)
+
+
+@dataclass
+class GRPOAlgoConfig:
+    # --- rollouts ---
+    prompts_per_step: int = 8
+    """Tasks (prompts) per optimizer step's rollout batch (> 0)."""
+    group_size: int = 8
+    """Samples per prompt, G (>= 2: the group baseline needs two)."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0); the trainer's log-probs use the same one."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]. Anything below 1 makes the sampling distribution differ
+    from the tempered softmax the loss uses; the engine's full-vocabulary log-probs keep the
+    importance ratio right, but recipes leave it at 1."""
+    top_k: int = 0
+    """Top-k sampling (0: off)."""
+    max_new_tokens: int = 128
+    """Longest response per turn, in tokens (> 0)."""
+
+    # --- updates ---
+    epochs: int = 1
+    """Passes over each rollout batch (>= 1). More than one makes the update off-policy and
+    needs the proximal log-probs (computed before the first pass)."""
+    mini_batches: int = 1
+    """Optimizer steps per epoch: the rollout batch is split into this many parts (>= 1;
+    must divide prompts_per_step * group_size). train.steps counts rollout batches."""
+
+    # --- advantages ---
+    baseline: str = "mean"
+    """Group baseline: mean (GRPO) | leave_one_out (RLOO)."""
+    normalize_std: bool = True
+    """Divide advantages by the group's reward std (GRPO; off in Dr. GRPO)."""
+    invalid_tool_call_advantage: float | None = None
+    """If set, trajectories with an invalid tool call get this advantage instead of the
+    group-relative one (Nemotron 3 uses -5)."""
+
+    # --- loss (ptrain.losses.policy_loss) ---
+    objective: str = "ppo"
+    """ppo (clipped surrogate) | cispo (clipped stop-gradient IS weight)."""
+    clip_low: float = 0.2
+    """Lower ratio bound 1 - clip_low (>= 0)."""
+    clip_high: float | None = None
+    """Upper ratio bound 1 + clip_high; None: clip_low (DAPO's clip-higher: 0.28)."""
+    dual_clip: float | None = None
+    """Dual-clip bound c > 1 for negative advantages (ppo only; DAPO recipe: 10)."""
+    ratio_level: str = "token"
+    """token (PPO/GRPO) | sequence (GSPO)."""
+    aggregation: str = "token_mean"
+    """token_mean (DAPO) | seq_mean_token_mean (GRPO) | seq_mean_token_sum |
+    seq_mean_token_sum_norm (Dr. GRPO)."""
+    norm_constant: float | None = None
+    """Dr. GRPO's constant for seq_mean_token_sum_norm; None: the padded length (train.seq_len)."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the reference (>= 0). The reference (the stage's starting
+    weights) is kept only when this is > 0."""
+    kl_estimator: str = "k3"
+    """k1 | k2 | k3 (Schulman's estimators; GRPO uses k3)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight (>= 0)."""
+    is_correction: str | None = "tis"
+    """Engine-vs-trainer importance weight exp(old - engine): null | tis (truncated) | mis
+    (masked, IcePop / Nemotron)."""
+    is_level: str = "token"
+    """token | sequence | geometric: where the weight is formed."""
+    is_low: float = 0.0
+    """mis: weights below this are masked (0 <= is_low < is_high)."""
+    is_high: float = 2.0
+    """tis: weights are capped here; mis: weights above it are masked."""
+    max_seq_mult_prob_error: float | None = None
+    """Drop sequences whose mean exp(|old - engine|) exceeds this (>= 1; Nemotron uses 2)."""
+
+    # --- DAPO's data shaping ---
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal and draw more prompts until the batch is full."""
+    max_sampling_rounds: int = 3
+    """Rollout rounds per step at most when dynamic_sampling is on (>= 1); a batch still short
+    after them trains on what it has (counted)."""
+    overlong_filter: bool = False
+    """Trajectories cut by the length limit leave the loss (DAPO's overlong filtering)."""
+    overlong_buffer: int = 0
+    """Soft overlong penalty: the last `overlong_buffer` tokens before max_new_tokens cost
+    reward linearly up to overlong_penalty (DAPO; 0: off). Counted in response tokens."""
+    overlong_penalty: float = 1.0
+    """Reward taken at max_new_tokens when overlong_buffer > 0 (>= 0)."""
+
+    # --- curriculum ---
+    drop_solved: bool = False
+    """Skip prompts every sample of which was correct when last drawn (Nemotron 3 drops prompts
+    the SFT model always solves)."""
+    pass_rate_target: float | None = None
+    """Gaussian pass-rate curriculum: draw prompts with weight exp(-(p - target)^2 / 2 width^2)
+    over their last seen pass rate p (None: uniform)."""
+    pass_rate_width: float = 0.25
+    """Width of that Gaussian (> 0)."""
+
+    # --- asynchrony ---
+    mode: str = "sync"
+    """sync: generate, then train, strictly on-policy. async: the next batches are generated
+    while this one trains, at most max_staleness weight versions behind."""
+    max_staleness: int = 1
+    """async: a sample generated with weights more than this many versions older than the
+    ones it trains is dropped and regenerated (>= 0; 0 is sync with overlap of nothing)."""
+    partial_rollouts: bool = True
+    """async: at a weight update, running samples continue with the new weights (their
+    weight_versions record the switch); false: they finish on the old weights first."""
+
+    # --- MoE ---
+    freeze_router: bool = False
+    """Keep router weights fixed (Nemotron 3's RL); with router_aux_loss_coef 0 and the
+    expert-bias update on, routing still balances."""
+
+
+@dataclass
+class RolloutConfig:
+    kind: str = "local"
+    """local (the in-process JAX engine) | sglang (an SGLang fleet; issue: fleet client)."""
+    max_running_requests: int = 64
+    """local: samples decoded at once (KV-cache rows)."""
+    context_length: int | None = None
+    """local: prompt + output tokens per row; None: train.seq_len + 1."""
+    decode_steps: int = 8
+    """local: tokens per decode call before the host checks stops."""
+    urls: list[str] = field(default_factory=list)
+    """sglang: worker URLs (http://host:port) when no router is used."""
+    router_url: str | None = None
+    """sglang: an sglang-router URL; weight updates and aborts still go to each worker."""
+    request_timeout_s: float = 600.0
+    """sglang: a request with no answer after this is re-issued on another worker."""
+    unhealthy_timeout_s: float = 120.0
+    """sglang: with no healthy worker for this long the stage checkpoints and stops."""
+    max_retries: int = 5
+    """sglang: re-issues of one request at most."""
+    per_worker_concurrency: int = 64
+    """sglang: requests in flight per worker at most."""
+    weight_dir: str | None = None
+    """sglang: where weight versions are exported (default <stage>/weights; /dev/shm for a
+    same-host fleet)."""
+    keep_weight_versions: int = 2
+    """sglang: exported versions kept on disk (>= 1)."""
+    weight_dtype: str = "bfloat16"
+    """sglang: dtype of exported weights: bfloat16 | float32."""
+
+
+@dataclass
+class CostConfig:
+    """Prices behind the per-step cost accounting (dollars); the defaults are placeholders
+    a user sets to their own contract (0 turns an item off)."""
+
+    accelerator_hour_usd: float = 0.0
+    """Price of one accelerator-hour; times the stage's wall time and device count."""
+    input_uncached_per_mtok_usd: float = 0.0
+    """Per million prompt tokens the engine computed."""
+    input_cached_per_mtok_usd: float = 0.0
+    """Per million prompt tokens served from the prefix cache."""
+    output_per_mtok_usd: float = 0.0
+    """Per million generated tokens."""
+
+
+def validate_grpo(cfg: GRPOAlgoConfig, check) -> None:
+    """Reject impossible values; `check(cond, key, message)` raises naming the key."""
+    c = check
+    c(cfg.prompts_per_step > 0, "algo.grpo.prompts_per_step", f"must be > 0, got {cfg.prompts_per_step}")
+    c(cfg.group_size >= 2, "algo.grpo.group_size", f"must be >= 2 (the group baseline needs two), got {cfg.group_size}")
+    c(cfg.temperature > 0, "algo.grpo.temperature", f"must be > 0, got {cfg.temperature}")
+    c(0 < cfg.top_p <= 1, "algo.grpo.top_p", f"must be in (0, 1], got {cfg.top_p}")
+    c(cfg.top_k >= 0, "algo.grpo.top_k", f"must be >= 0 (0: off), got {cfg.top_k}")
+    c(cfg.max_new_tokens > 0, "algo.grpo.max_new_tokens", f"must be > 0, got {cfg.max_new_tokens}")
+    c(cfg.epochs >= 1, "algo.grpo.epochs", f"must be >= 1, got {cfg.epochs}")
+    c(cfg.mini_batches >= 1, "algo.grpo.mini_batches", f"must be >= 1, got {cfg.mini_batches}")
+    rows = cfg.prompts_per_step * cfg.group_size
+    c(rows % cfg.mini_batches == 0, "algo.grpo.mini_batches",
+      f"{cfg.mini_batches} does not divide the {rows} samples of a step (prompts_per_step x group_size)")  # fmt: skip
+    for key, value, allowed in (
+        ("baseline", cfg.baseline, ADVANTAGE_BASELINES),
+        ("objective", cfg.objective, POLICY_OBJECTIVES),
+        ("ratio_level", cfg.ratio_level, RATIO_LEVELS),
+        ("aggregation", cfg.aggregation, POLICY_AGGREGATIONS),
+        ("kl_estimator", cfg.kl_estimator, KL_ESTIMATORS),
+        ("is_correction", cfg.is_correction, IS_CORRECTIONS),
+        ("is_level", cfg.is_level, IS_LEVELS),
+        ("mode", cfg.mode, GRPO_MODES),
+    ):
+        c(value in allowed, f"algo.grpo.{key}", f"unknown value {value!r}; pass one of {', '.join(map(str, allowed))}")
+    c(cfg.clip_low >= 0, "algo.grpo.clip_low", f"must be >= 0, got {cfg.clip_low}")
+    c(cfg.clip_high is None or cfg.clip_high >= 0, "algo.grpo.clip_high", f"must be null or >= 0, got {cfg.clip_high}")
+    c(cfg.dual_clip is None or (cfg.dual_clip > 1 and cfg.objective == "ppo"), "algo.grpo.dual_clip",
+      f"must be null or > 1 with objective ppo, got {cfg.dual_clip} ({cfg.objective})")  # fmt: skip
+    c(cfg.norm_constant is None or cfg.norm_constant > 0, "algo.grpo.norm_constant", "must be null or > 0")
+    c(cfg.norm_constant is None or cfg.aggregation == "seq_mean_token_sum_norm", "algo.grpo.norm_constant",
+      "is used by aggregation seq_mean_token_sum_norm only; set it to null")  # fmt: skip
+    c(cfg.kl_coef >= 0, "algo.grpo.kl_coef", f"must be >= 0, got {cfg.kl_coef}")
+    c(cfg.entropy_coef >= 0, "algo.grpo.entropy_coef", f"must be >= 0, got {cfg.entropy_coef}")
+    c(0 <= cfg.is_low < cfg.is_high, "algo.grpo.is_low", f"need 0 <= is_low < is_high, got {cfg.is_low}, {cfg.is_high}")
+    c(cfg.is_correction != "tis" or cfg.is_low == 0, "algo.grpo.is_low",
+      "is a masking bound of is_correction mis; tis only caps at is_high: set is_low=0")  # fmt: skip
+    c(cfg.max_seq_mult_prob_error is None or cfg.max_seq_mult_prob_error >= 1, "algo.grpo.max_seq_mult_prob_error",
+      f"must be null or >= 1, got {cfg.max_seq_mult_prob_error}")  # fmt: skip
+    c(cfg.max_sampling_rounds >= 1, "algo.grpo.max_sampling_rounds", f"must be >= 1, got {cfg.max_sampling_rounds}")
+    c(0 <= cfg.overlong_buffer < cfg.max_new_tokens, "algo.grpo.overlong_buffer",
+      f"must be in [0, max_new_tokens={cfg.max_new_tokens}), got {cfg.overlong_buffer}")  # fmt: skip
+    c(cfg.overlong_penalty >= 0, "algo.grpo.overlong_penalty", f"must be >= 0, got {cfg.overlong_penalty}")
+    c(cfg.pass_rate_target is None or 0 <= cfg.pass_rate_target <= 1, "algo.grpo.pass_rate_target",
+      f"must be null or in [0, 1], got {cfg.pass_rate_target}")  # fmt: skip
+    c(cfg.pass_rate_width > 0, "algo.grpo.pass_rate_width", f"must be > 0, got {cfg.pass_rate_width}")
+    c(cfg.max_staleness >= 0, "algo.grpo.max_staleness", f"must be >= 0, got {cfg.max_staleness}")

@@ -1,0 +1,153 @@
+"""The policy-gradient objective of the GRPO family, as a pure function of params and a batch.
+
+The batch is `ptrain.data.rollouts.policy_batch`'s: one trajectory per row, the engine's
+log-probs of the sampled tokens, one advantage per row. The objective recomputes the
+policy's log-probs of those tokens under softmax(logits / temperature) (the distribution
+the engine sampled from, before top-k / top-p truncation) and hands them to
+`ptrain.losses.policy_loss` with the options of `algo.grpo`.
+
+Three log-probs of each sampled token meet here (AReaL's decoupled PPO, arXiv 2505.24298):
+  logp    the policy being updated (gradient),
+  old     the proximal policy: the trainer's own log-probs before this batch's first update
+          (`old_logp` in the batch, computed by `policy_logprobs`; omitted for a single
+          on-policy update, where old = stop_gradient(logp)), which the PPO ratio is
+          clipped around,
+  engine  the behaviour policy: what the engine reported when it sampled (possibly with
+          older weights in asynchronous mode, and always with other numerics), which only
+          enters as the importance weight exp(old - engine) (tis / mis in `policy_loss`).
+So staleness and engine numerics never bias the clip; they are corrected, or masked, by
+the importance weight.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ptrain.losses import vocab_stats_from_hidden
+from ptrain.losses.policy import policy_loss
+from ptrain.train.state import ModelDef, TrainState
+
+# PolicyAux fields that are token means over the micro-batch's kept tokens; the step sums
+# micro-batches, so each is weighted by the micro-batch's share of the batch's tokens.
+# (pg_loss and kl_loss are aggregated over the global denominator already: they add up.)
+_ADDITIVE_METRICS = ("pg_loss", "kl_loss")
+_TOKEN_MEAN_METRICS = (
+    "entropy", "clip_frac_low", "clip_frac_high", "clip_frac_dual", "approx_kl",
+    "ratio_mean", "is_ratio_mean", "mismatch_kl", "mult_prob_error", "frac_is_masked", "frac_seq_dropped",
+)  # fmt: skip
+_MAX_METRICS = ("ratio_max", "is_ratio_max")
+
+
+def policy_denominator(aggregation: str):
+    """Global-batch denominators: {"loss": tokens (token_mean) or sequences (seq_mean_*),
+    "tokens": loss tokens, "seqs": sequences with at least one loss token}."""
+
+    def denominator(batch: dict) -> dict[str, jax.Array]:
+        mask = batch["loss_mask"].astype(jnp.float32)
+        tokens = jnp.sum(mask)
+        seqs = jnp.sum((jnp.sum(mask, axis=1) > 0).astype(jnp.float32))
+        return {"loss": tokens if aggregation == "token_mean" else seqs, "tokens": tokens, "seqs": seqs}
+
+    return denominator
+
+
+def _forward_stats(model_def: ModelDef, params, model_state, batch: dict, *, temperature: float, vocab_chunk: int):
+    model = model_def.bind(params, model_state)
+    h, aux = model(batch["input_ids"], batch["positions"], batch["segment_ids"], return_aux=True, return_hidden=True)
+    head = model.head_weight().astype(h.dtype)
+    chunk = vocab_chunk or None
+    stats = vocab_stats_from_hidden(h, head, batch["target_ids"], chunk_size=chunk, temperature=temperature)
+    return stats, aux
+
+
+def policy_logprobs(model_def: ModelDef, params, model_state, batch: dict, *, temperature: float, vocab_chunk: int):
+    """log softmax(logits / temperature)[target] of every position, float32 [B, L] (no gradient
+    needed: the proximal policy's and the reference's log-probs)."""
+    stats, _ = _forward_stats(model_def, params, model_state, batch, temperature=temperature, vocab_chunk=vocab_chunk)
+    return jax.lax.stop_gradient(stats.logp)
+
+
+def make_policy_objective(model_def: ModelDef, cfg: Any, *, vocab_chunk: int = 0, aux_loss_coef: float = 0.0):
+    """GRPO / Dr. GRPO / DAPO / GSPO / CISPO objective (`cfg` is an `algo.grpo` config).
+
+    With `cfg.kl_coef > 0` the reference's log-probs come from `state.ref_params` (a second
+    forward pass without gradient). Metrics add up over micro-batches (see step.py); the
+    stage's finalisation divides nothing further: token means arrive already weighted.
+    """
+    temperature = float(cfg.temperature) if cfg.temperature > 0 else 1.0
+    loss_kw = dict(
+        objective=cfg.objective,
+        clip_low=cfg.clip_low,
+        clip_high=cfg.clip_high,
+        dual_clip=cfg.dual_clip,
+        ratio_level=cfg.ratio_level,
+        aggregation=cfg.aggregation,
+        norm_constant=cfg.norm_constant,
+        kl_coef=cfg.kl_coef,
+        kl_estimator=cfg.kl_estimator,
+        entropy_coef=cfg.entropy_coef,
+        is_correction=cfg.is_correction,
+        is_level=cfg.is_level,
+        is_low=cfg.is_low,
+        is_high=cfg.is_high,
+        max_seq_mult_prob_error=cfg.max_seq_mult_prob_error,
+    )
+
+    def objective(params, state: TrainState, batch: dict, denoms: dict[str, jax.Array]):
+        stats, model_aux = _forward_stats(
+            model_def, params, state.model_state, batch, temperature=temperature, vocab_chunk=vocab_chunk
+        )
+        ref = None
+        if cfg.kl_coef > 0:
+            ref = policy_logprobs(
+                model_def, state.ref_params, state.model_state, batch, temperature=temperature, vocab_chunk=vocab_chunk
+            )
+        loss, aux = policy_loss(
+            stats.logp,
+            batch.get("old_logp"),
+            batch["advantages"],
+            batch["loss_mask"],
+            denominator=denoms["loss"],
+            ref_logp=ref,
+            entropy=stats.entropy if cfg.entropy_coef > 0 else None,
+            engine_logp=batch["engine_logp"],
+            **loss_kw,
+        )
+        share = aux.token_count / denoms["tokens"]
+        metrics = {k: getattr(aux, k) * share for k in _TOKEN_MEAN_METRICS}
+        metrics.update({k: getattr(aux, k) for k in _ADDITIVE_METRICS})
+        mask = batch["loss_mask"].astype(jnp.float32)
+        # The entropy of every sampled token, whatever entropy_coef says (PolicyAux has it only
+        # when the bonus is on): a falling entropy is the first sign of collapse.
+        metrics["policy_entropy"] = jnp.sum(stats.entropy * mask) / denoms["tokens"]
+        metrics["trainer_logp"] = jnp.sum(stats.logp * mask) / denoms["tokens"]
+        metrics["loss_tokens"] = aux.token_count
+        metrics["loss_seqs"] = aux.seq_count
+        for k in _MAX_METRICS:
+            metrics[k] = getattr(aux, k)
+        if model_aux.expert_load.size:
+            metrics["moe_lb_loss"] = model_aux.lb_loss
+            metrics["expert_load"] = model_aux.expert_load
+            loss = loss + aux_loss_coef * model_aux.lb_loss * share
+        return loss, metrics
+
+    return objective
+
+
+def finalize_policy_metrics(m: dict, grad_accum: int) -> dict:
+    """Host side: summed micro-batch metrics -> step values (max metrics over micro-batches
+    arrive summed as well; divided by grad_accum they are a mean of the micro-batch maxima)."""
+    out = {}
+    for k, v in m.items():
+        if k == "expert_load":
+            load = jnp.asarray(v) / grad_accum
+            out["expert_load_max"] = float(jnp.max(load)) * load.shape[-1]
+            out["expert_load_min"] = float(jnp.min(load)) * load.shape[-1]
+        elif k in _MAX_METRICS or k == "moe_lb_loss":
+            out[k] = float(v) / grad_accum
+        else:
+            out[k] = float(v) if jnp.ndim(v) == 0 else v
+    return out
