@@ -1,2 +1,13 @@
 from ptrain.envs.arithmetic import check_answer as check_answer
 from ptrain.envs.arithmetic import extract_answer as extract_answer
+from ptrain.envs.audit import AuditLog as AuditLog
+from ptrain.envs.audit import read_audit as read_audit
+from ptrain.envs.base import Environment as Environment
+from ptrain.envs.base import Task as Task
+from ptrain.envs.base import TokenCounts as TokenCounts
+from ptrain.envs.base import Trajectory as Trajectory
+from ptrain.envs.base import Turn as Turn
+from ptrain.envs.mixture import EnvMixture as EnvMixture
+from ptrain.envs.mixture import aggregate_metrics as aggregate_metrics
+from ptrain.envs.registry import ENV_KINDS as ENV_KINDS
+from ptrain.envs.registry import make_env as make_env

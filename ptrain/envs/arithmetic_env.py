@@ -1,0 +1,61 @@
+"""The `arithmetic` environment: the embedded task (ptrain.data.tasks) as RL episodes.
+
+The prompt is exactly the SFT records' user turn (`What is 347 + 589?`), so a policy
+fine-tuned on the embedded task is rolled out on the prompts it learnt; the completion is
+graded by the task's verifier (ptrain.envs.arithmetic: the last `Answer: n` line).
+Components: format (an `Answer: n` line is there) and correct.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ptrain.envs.arithmetic import check_answer, extract_answer
+from ptrain.envs.base import Task
+from ptrain.envs.single_turn import SingleTurnEnv
+
+
+def judge_arithmetic(data: dict[str, Any], completion: str) -> float:
+    """1.0 when completion's final `Answer: n` equals data["answer"], else 0.0."""
+    return float(check_answer(data, completion))
+
+
+class ArithmeticEnv(SingleTurnEnv):
+    """Multi-digit + - * problems with worked solutions (options: ArithmeticOptions)."""
+
+    kind = "arithmetic"
+    judge = staticmethod(judge_arithmetic)
+
+    def make_tasks(self, seed: int) -> tuple[list[Task], list[Task]]:
+        from ptrain.data import tasks as arithmetic_tasks
+
+        o = self.options
+        try:
+            train, held = arithmetic_tasks.generate_problems(
+                self.cfg.n_train,
+                self.cfg.n_eval,
+                ops=o.ops,
+                min_digits=o.min_digits,
+                max_digits=o.max_digits,
+                seed=seed,
+            )
+        except ValueError as e:
+            raise ValueError(
+                f"env.{self.name}: cannot draw {self.cfg.n_train} + {self.cfg.n_eval} distinct problems with "
+                f"ops={o.ops} and digits {o.min_digits}..{o.max_digits}; lower env.{self.name}.n_train or raise "
+                f"env.{self.name}.options.max_digits ({e})"
+            ) from None
+
+        def make(split: str, problems) -> list[Task]:
+            return [
+                self.task(split, i, arithmetic_tasks.chat_record(p)["messages"][:1], p.metadata())
+                for i, p in enumerate(problems)
+            ]
+
+        return make("train", train), make("eval", held)
+
+    def extract(self, task: Task, text: str) -> str | None:
+        return text if extract_answer(text) is not None else None
+
+    def judge_args(self, task: Task, answer: str) -> tuple:
+        return (dict(task.data), answer)
