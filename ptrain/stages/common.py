@@ -470,6 +470,9 @@ def train_evaluate_export(
     finally:
         checkpointer.close()
         logger.close()
+        for ev in evaluators:  # evaluators that own an engine free it (sweeps run jobs in one process)
+            if hasattr(ev, "close"):
+                ev.close()
     export = export_stage(stage.placed, state, stage.dir, stage.tokenizer)
     summary = {k: v for k, v in last.items() if isinstance(v, float)}
     summary.update(

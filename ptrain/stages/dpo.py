@@ -23,7 +23,7 @@ from ptrain.data.prompts import make_eval_prompts
 from ptrain.data.sources import write_generated
 from ptrain.parallel import batch_sharding
 from ptrain.stages.common import Algorithm, IteratorBatches, setup_stage, tokenizer_for, train_evaluate_export
-from ptrain.stages.evaluation import exact_match_evaluator
+from ptrain.stages.evaluation import ExactMatchEvaluator
 from ptrain.stages.policy_pairs import policy_pairs_data
 from ptrain.train.objectives import dpo_denominator, finalize_metrics, make_dpo_objective, pair_logprobs
 from ptrain.train.state import ModelDef
@@ -155,7 +155,7 @@ def run_dpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict
     if data_cfg.eval_path is not None and t.eval_generate > 0:
         prompts = make_eval_prompts(data_cfg, tokenizer, limit=t.eval_generate)
         if any(p.task for p in prompts):
-            evaluators.append(exact_match_evaluator(run, prompts, tokenizer, placed))
+            evaluators.append(ExactMatchEvaluator(run, prompts, tokenizer, placed))
 
     return train_evaluate_export(
         stage, dpo_algorithm(run, placed.model_def), batches, report=train_iter.report, evaluators=evaluators

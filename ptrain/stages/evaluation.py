@@ -1,4 +1,5 @@
-"""Held-out evaluation: loss over the eval split, exact-match accuracy of greedy answers."""
+"""Held-out evaluation: loss over the eval split, exact-match accuracy of greedy answers
+(sampled by the rollout engine, ptrain.rollout.LocalEngine)."""
 
 from __future__ import annotations
 
@@ -49,69 +50,107 @@ class Completion:
     text: str
     """Decoded completion, special tokens dropped."""
     finished: bool
-    """True when a stop token ended it (False: cut by max_new_tokens)."""
+    """True when a stop token ended it (False: cut by max_new_tokens or the context)."""
     length: int
     """Generated tokens, the stop token included."""
+    token_ids: tuple[int, ...] = ()
+    """The generated ids as the engine sampled them."""
+    logprobs: tuple[float, ...] = ()
+    """Their log-probs under the tempered full-vocabulary softmax (ptrain.rollout.protocol)."""
+
+
+def eval_engine(run: RunConfig, placed, state, *, longest_prompt: int, max_new_tokens: int, rows: int = 64):
+    """A LocalEngine for a stage's evaluations and sampling, on the stage's mesh, with the
+    weights of `state` (params and model state); the caller swaps newer weights in."""
+    from ptrain.rollout.local import LocalEngine
+    from ptrain.stages.common import rules_of
+
+    model = placed.model_def.bind(state.params, state.model_state)
+    max_len = model.cfg.max_seq_len
+    context = min(max_len, longest_prompt + max_new_tokens + 1)
+    return LocalEngine(
+        model,
+        max_running_requests=rows,
+        context_length=max(context, 2),
+        mesh=placed.mesh,
+        rules=tuple(rules_of(run)),
+        decode_steps=8,
+    )
 
 
 def complete(
-    model,
+    engine,
     prompt_ids: list[list[int]],
     tokenizer,
     *,
     max_new_tokens: int,
     temperature: float = 0.0,
     seed: int = 0,
-    batch_size: int = 64,
-) -> list[Completion]:
-    """One completion per prompt, generated `batch_size` rows at a time. Every call is padded
-    to `batch_size` rows and one prompt bucket, so all of them reuse one compiled program;
-    call b samples with key fold_in(key(seed), b)."""
-    from ptrain.models.generate import generate, prompt_bucket_for
+    samples: int = 1,
+) -> list[list[Completion]]:
+    """`samples` completions of each prompt from a rollout engine (the n samples of a prompt
+    share one prefill); sample j of prompt i draws with sampling_seed seed + i (and index j).
+    The assistant turn's end (<|im_end|>, else end-of-sequence) stops a completion."""
+    from ptrain.rollout.protocol import GenerateRequest, SamplingParams
 
-    bucket = prompt_bucket_for(max(len(p) for p in prompt_ids), max_new_tokens, model.cfg.max_seq_len)
-    stop, pad = stop_token_ids(tokenizer), tokenizer.pad_token_id or 0
-    out: list[Completion] = []
-    for b, start in enumerate(range(0, len(prompt_ids), batch_size)):
-        chunk = prompt_ids[start : start + batch_size]
-        ids = chunk + [chunk[0]] * (batch_size - len(chunk))
-        gen = generate(
-            model,
-            ids,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            stop_tokens=stop,
-            pad_id=pad,
-            prompt_bucket=bucket,
-            rng=jax.random.fold_in(jax.random.key(seed), b),
+    stop = tuple(stop_token_ids(tokenizer))
+    requests = [
+        GenerateRequest(
+            tuple(int(x) for x in p),
+            SamplingParams(
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                n=samples,
+                stop_token_ids=stop,
+                sampling_seed=seed + i,
+            ),  # fmt: skip
+            rid=f"complete-{seed}-{i}",
         )
-        for r in range(len(chunk)):
-            n = int(gen.lengths_B[r])
-            out.append(
+        for i, p in enumerate(prompt_ids)
+    ]
+    out = []
+    for group in engine.generate_many(requests):
+        out.append(
+            [
                 Completion(
-                    tokenizer.decode(gen.tokens_BxN[r, :n].tolist(), skip_special_tokens=True),
-                    gen.finish_reasons[r] == "stop",
-                    n,
+                    tokenizer.decode(list(s.output_ids), skip_special_tokens=True),
+                    s.finish_reason.type == "stop",
+                    len(s.output_ids),
+                    s.output_ids,
+                    s.logprobs,
                 )
-            )
+                for s in group
+            ]
+        )
     return out
 
 
-def exact_match_evaluator(
-    run: RunConfig, prompts: list[EvalPrompt], tokenizer, placed, batch_size: int = 64
-) -> Callable[[TrainState], dict]:
-    """Fraction of held-out prompts whose greedy answer the task's verifier accepts."""
-    t = run.train
-    prompts = [p for p in prompts if p.task]
-    ids = [p.prompt_ids.tolist() for p in prompts]
+class ExactMatchEvaluator:
+    """Fraction of held-out prompts whose greedy answer the task's verifier accepts. It owns
+    one engine for the stage (compiled once); each evaluation swaps in the state's weights."""
 
-    def evaluate(state: TrainState) -> dict:
-        model = placed.model_def.bind(state.params, state.model_state)
-        outs = complete(model, ids, tokenizer, max_new_tokens=t.eval_max_new_tokens, batch_size=batch_size)
-        correct = sum(bool(check_answer(p.task, o.text)) for p, o in zip(prompts, outs))
+    def __init__(self, run: RunConfig, prompts: list[EvalPrompt], tokenizer, placed):
+        self.run, self.tokenizer, self.placed = run, tokenizer, placed
+        self.prompts = [p for p in prompts if p.task]
+        self.ids = [p.prompt_ids.tolist() for p in self.prompts]
+        self.engine = None
+
+    def __call__(self, state: TrainState) -> dict:
+        t = self.run.train
+        if self.engine is None:
+            longest = max(map(len, self.ids), default=1)
+            self.engine = eval_engine(
+                self.run, self.placed, state, longest_prompt=longest, max_new_tokens=t.eval_max_new_tokens
+            )
+        self.engine.update_weights(state.params, state.model_state or None, mode="abort")
+        outs = [c[0] for c in complete(self.engine, self.ids, self.tokenizer, max_new_tokens=t.eval_max_new_tokens)]
+        correct = sum(bool(check_answer(p.task, o.text)) for p, o in zip(self.prompts, outs))
         return {
-            "exact_match": correct / max(len(prompts), 1),
-            "response_length": float(np.mean([o.length for o in outs])),
+            "exact_match": correct / max(len(self.prompts), 1),
+            "response_length": float(np.mean([o.length for o in outs])) if outs else 0.0,
         }
 
-    return evaluate
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None

@@ -31,7 +31,7 @@ from ptrain.data.report import BadRowReport
 from ptrain.data.sources import open_split
 from ptrain.data.tasks import write_jsonl
 from ptrain.envs.arithmetic import check_answer
-from ptrain.stages.evaluation import complete
+from ptrain.stages.evaluation import complete, eval_engine
 
 PAIRS_FILE = "policy_pairs.jsonl"
 META_FILE = "policy_pairs.json"
@@ -60,13 +60,19 @@ def first_wrong_step(chosen: str, rejected: str) -> str:
 
 
 def sample_completions(
-    placed, params, model_state, prompts, tokenizer, *, samples: int, temperature: float, max_new_tokens: int, seed: int
-) -> list[list[tuple[str, bool]]]:
-    """`samples` (decoded completion, ended by a stop token) per prompt."""
-    model = placed.model_def.bind(params, model_state)
-    ids = [p.prompt_ids.tolist() for p in prompts for _ in range(samples)]
-    outs = complete(model, ids, tokenizer, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
-    return [[(o.text, o.finished) for o in outs[i * samples : (i + 1) * samples]] for i in range(len(prompts))]
+    run: RunConfig, placed, state, prompts, tokenizer, *, samples: int, temperature: float, max_new_tokens: int,
+    seed: int,
+) -> list[list[tuple[str, bool]]]:  # fmt: skip
+    """`samples` (decoded completion, ended by a stop token) per prompt, from the rollout
+    engine with the weights of `state`; a prompt's samples share one prefill."""
+    ids = [p.prompt_ids.tolist() for p in prompts]
+    engine = eval_engine(run, placed, state, longest_prompt=max(map(len, ids)), max_new_tokens=max_new_tokens)
+    try:
+        outs = complete(engine, ids, tokenizer, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                        samples=samples)  # fmt: skip
+    finally:
+        engine.close()
+    return [[(o.text, o.finished) for o in group] for group in outs]
 
 
 def build_pairs(
@@ -148,9 +154,9 @@ def policy_pairs_data(run: RunConfig, stage_dir: str, placed, params, model_stat
         )
     source = open_split(data_cfg, "train")
     completions = sample_completions(
+        run,
         placed,
-        params,
-        model_state,
+        placed.state.replace(params=params, model_state=model_state),
         prompts,
         tokenizer,
         samples=settings["samples"],

@@ -16,7 +16,7 @@ from ptrain.data.prompts import make_eval_prompts
 from ptrain.data.sft import make_sft_iterator
 from ptrain.data.sources import write_generated
 from ptrain.stages.common import Algorithm, IteratorBatches, setup_stage, tokenizer_for, train_evaluate_export
-from ptrain.stages.evaluation import exact_match_evaluator, heldout_loss_evaluator
+from ptrain.stages.evaluation import ExactMatchEvaluator, heldout_loss_evaluator
 from ptrain.train.objectives import finalize_metrics, make_sft_objective, sft_denominator
 from ptrain.train.state import ModelDef
 
@@ -53,7 +53,7 @@ def run_sft_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict
     if data_cfg.eval_path is not None and t.eval_generate > 0:
         prompts = make_eval_prompts(data_cfg, tokenizer, limit=t.eval_generate)
         if any(p.task for p in prompts):
-            evaluators.append(exact_match_evaluator(run, prompts, tokenizer, stage.placed))
+            evaluators.append(ExactMatchEvaluator(run, prompts, tokenizer, stage.placed))
 
     return train_evaluate_export(
         stage,
