@@ -156,7 +156,7 @@ def layer_groups(cfg: ModelConfig) -> tuple[LayerGroup, ...]:
 class Block(nnx.Module):
     """Pre-norm decoder block: x += attn(norm(x)); x += mlp(norm(x)) with a dense or MoE MLP."""
 
-    def __init__(self, cfg: ModelConfig, moe: bool, *, rngs: nnx.Rngs, ep_mesh=None, expert_axis: str | None = None):
+    def __init__(self, cfg: ModelConfig, moe: bool, *, rngs: nnx.Rngs, ep=None):
         pd = as_dtype(cfg.param_dtype)
         norm_kw = dict(eps=cfg.rms_norm_eps, axis_name="embed", param_dtype=pd, rngs=rngs)
         self.attn_norm = RMSNorm(cfg.d_model, **norm_kw)
@@ -166,7 +166,7 @@ class Block(nnx.Module):
         if moe:
             from ptrain.models.moe import MoE
 
-            self.mlp = MoE(cfg, rngs=rngs, ep_mesh=ep_mesh, expert_axis=expert_axis)
+            self.mlp = MoE(cfg, rngs=rngs, ep=ep)
         else:
             self.mlp = MLP(cfg.d_model, cfg.d_ff, cfg, rngs=rngs)
 
@@ -182,14 +182,14 @@ class Block(nnx.Module):
         return x + h, new_cache, lb_loss, load
 
 
-def _make_group(cfg: ModelConfig, moe: bool, n: int, rngs: nnx.Rngs, **ep):
+def _make_group(cfg: ModelConfig, moe: bool, n: int, rngs: nnx.Rngs, ep=None):
     if not cfg.scan_layers:
-        return nnx.List([Block(cfg, moe, rngs=rngs, **ep) for _ in range(n)])
+        return nnx.List([Block(cfg, moe, rngs=rngs, ep=ep) for _ in range(n)])
 
     @nnx.split_rngs(splits=n)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
     def make(r):
-        return Block(cfg, moe, rngs=r, **ep)
+        return Block(cfg, moe, rngs=r, ep=ep)
 
     return make(rngs)
 
@@ -241,7 +241,7 @@ class Decoder(nnx.Module):
 
     mesh, rules: optional; with a mesh whose axis for the logical `expert` axis (under
     `rules`, default ptrain.parallel.DEFAULT_RULES) is larger than 1, the MoE blocks run
-    expert-parallel on it (`ptrain.models.moe.expert_parallel_axis`). The mesh becomes a
+    expert-parallel on it (`ptrain.models.moe.expert_parallel_plan`). The mesh becomes a
     static part of the module (its GraphDef), not of its state.
     """
 
@@ -250,13 +250,12 @@ class Decoder(nnx.Module):
         self._frozen = _FrozenConfig(cfg)
         pd = as_dtype(cfg.param_dtype)
         self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), std=cfg.init_std, dtype=pd)
-        from ptrain.models.moe import expert_parallel_axis
+        from ptrain.models.moe import expert_parallel_plan
 
-        expert_axis = expert_parallel_axis(cfg, mesh, rules)
-        ep = dict(ep_mesh=mesh, expert_axis=expert_axis) if expert_axis else {}
+        ep = expert_parallel_plan(cfg, mesh, rules)
         self._groups = layer_groups(cfg)
         for g in self._groups:
-            setattr(self, g.name, _make_group(cfg, g.moe, g.n, rngs, **(ep if g.moe else {})))
+            setattr(self, g.name, _make_group(cfg, g.moe, g.n, rngs, ep=ep if g.moe else None))
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.rms_norm_eps, axis_name="embed", param_dtype=pd, rngs=rngs)
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), std=cfg.init_std, dtype=pd)

@@ -9,24 +9,31 @@ The aux-loss-free bias is a `RouterBias` variable, not an `nnx.Param`, so
 `nnx.split(model, nnx.Param, ...)` keeps it out of the optimizer; the train step moves it
 with `update_router_bias(state, aux.expert_load, rate)` (DeepSeek-V3, arXiv:2408.15664).
 
-Expert parallelism: built with `ep_mesh` and `expert_axis` (the Decoder passes them when
-`expert_parallel_axis` finds an expert axis larger than 1), the block runs its experts
-with `moe_ffn(..., mesh=, expert_axis=)`: inside `shard_map` each device routes its own
-slice of the tokens, sends every row to the device that holds its expert (all-to-all:
-padded on CPU, ragged on GPU/TPU), runs its local experts and sends the results back.
-The expert weights enter the shard_map split over the expert axis only (shard_map
-gathers any fsdp / tensor split of their other dimensions). Routing, the load-balancing
+Expert parallelism: built with an `ExpertParallel` plan (the Decoder makes one with
+`expert_parallel_plan` when the rules put the experts on a mesh axis larger than 1), the
+block runs its experts with `moe_ffn(..., mesh=, expert_axis=)`: inside `shard_map` each
+device takes its own slice of the tokens, sends every row to the device that holds its
+expert (all-to-all: padded on CPU, ragged on GPU/TPU), runs its local experts and sends
+the results back. The expert weights enter the shard_map split over the expert axis only
+(shard_map gathers any fsdp / tensor split of their other dimensions). The block's input
+and output are constrained to the activations' batch layout (the rules' `batch` axes), so
+the shard_map's split of the tokens over every device stays inside the block; left to
+sharding propagation it spread into the attention, and with a tensor axis XLA then
+replicated whole activations to get back to a heads split. Routing, the load-balancing
 loss and the shared experts stay outside, under the ordinary automatic partitioning.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ptrain.kernels import moe as moe_kernels
 from ptrain.models.layers import MLP, as_dtype, param
@@ -34,6 +41,18 @@ from ptrain.models.layers import MLP, as_dtype, param
 
 class RouterBias(nnx.Variable):
     """Per-expert selection bias of a sigmoid router; state outside the optimizer."""
+
+
+def _rule_axes(rules, logical: str) -> tuple[str, ...]:
+    """Mesh axes the first rule for `logical` names (rules: default ptrain.parallel.DEFAULT_RULES)."""
+    from ptrain.parallel.sharding import DEFAULT_RULES
+
+    for name, mesh_axes in rules or DEFAULT_RULES:
+        if name == logical:
+            if mesh_axes is None:
+                return ()
+            return tuple(mesh_axes) if isinstance(mesh_axes, (list, tuple)) else (mesh_axes,)
+    return ()
 
 
 def expert_parallel_axis(cfg: Any, mesh: jax.sharding.Mesh | None, rules=None) -> str | None:
@@ -47,15 +66,7 @@ def expert_parallel_axis(cfg: Any, mesh: jax.sharding.Mesh | None, rules=None) -
     """
     if mesh is None or not cfg.is_moe:
         return None
-    from ptrain.parallel.sharding import DEFAULT_RULES
-
-    mapped = None
-    for logical, mesh_axes in rules or DEFAULT_RULES:
-        if logical == "expert":
-            mapped = mesh_axes
-            break
-    names = () if mapped is None else (tuple(mapped) if isinstance(mapped, (list, tuple)) else (mapped,))
-    axes = [a for a in names if a in mesh.shape and mesh.shape[a] > 1]
+    axes = [a for a in _rule_axes(rules, "expert") if a in mesh.shape and mesh.shape[a] > 1]
     if not axes:
         return None
     if len(axes) > 1:
@@ -72,18 +83,38 @@ def expert_parallel_axis(cfg: Any, mesh: jax.sharding.Mesh | None, rules=None) -
     return axis
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpertParallel:
+    """How the MoE blocks run expert-parallel (hashable: a static attribute of the module).
+
+    mesh: the device mesh; axis: the mesh axis the experts are split over; batch_axes: the
+    mesh axes (of size > 1) the activations' batch dimension is split over.
+    """
+
+    mesh: jax.sharding.Mesh
+    axis: str
+    batch_axes: tuple[str, ...]
+
+
+def expert_parallel_plan(cfg: Any, mesh: jax.sharding.Mesh | None, rules=None) -> ExpertParallel | None:
+    """The ExpertParallel plan for `cfg` on `mesh` under `rules`, or None (see expert_parallel_axis)."""
+    axis = expert_parallel_axis(cfg, mesh, rules)
+    if axis is None:
+        return None
+    batch_axes = tuple(a for a in _rule_axes(rules, "batch") if a in mesh.shape and mesh.shape[a] > 1)
+    return ExpertParallel(mesh, axis, batch_axes)
+
+
 class MoE(nnx.Module):
     """Routed SwiGLU experts (+ optional shared experts) for one decoder layer.
 
     x [B, L, D] -> (y [B, L, D], lb_loss scalar, load [E]).
-    ep_mesh, expert_axis: run the experts expert-parallel over that mesh axis (module
-    docstring); both static attributes of the module.
+    ep: run the experts expert-parallel by this plan (module docstring); None: one program,
+    sharded by XLA from the weights' logical axes.
     """
 
-    def __init__(self, cfg: Any, *, rngs: nnx.Rngs, ep_mesh=None, expert_axis: str | None = None):
-        if (ep_mesh is None) != (expert_axis is None):
-            raise ValueError("MoE: pass both ep_mesh and expert_axis for expert parallelism, or neither")
-        self.ep_mesh, self.expert_axis = ep_mesh, expert_axis
+    def __init__(self, cfg: Any, *, rngs: nnx.Rngs, ep: ExpertParallel | None = None):
+        self.ep = ep
         D, E, F = cfg.d_model, cfg.n_experts, cfg.d_ff_expert
         pd = as_dtype(cfg.param_dtype)
         self.dtype = as_dtype(cfg.dtype)
@@ -105,6 +136,12 @@ class MoE(nnx.Module):
 
     def __call__(self, x_BxLxD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         B, L, D = x_BxLxD.shape
+        # The expert-parallel path splits the tokens over every device of the mesh; a call
+        # whose token count does not divide (KV-cache decoding of a few rows) takes the
+        # single-program path instead, where XLA gathers the experts it needs. Static
+        # shapes, so the choice is made once per trace.
+        ep = self.ep if self.ep is not None and (B * L) % self.ep.mesh.size == 0 else None
+        x_BxLxD = self._batch_layout(x_BxLxD, ep)
         x_TxD = x_BxLxD.reshape(B * L, D)
         # Router in float32, as the HF references do (scores decide discrete choices).
         logits_TxE = x_TxD.astype(jnp.float32) @ self.router[...].astype(jnp.float32)
@@ -118,11 +155,6 @@ class MoE(nnx.Module):
             n_groups=self.n_groups,
             topk_groups=self.topk_groups,
         )
-        # The expert-parallel path splits the tokens over every device of the mesh; a call
-        # whose token count does not divide (KV-cache decoding of a few rows) takes the
-        # single-program path instead, where XLA gathers the experts it needs. Static
-        # shapes, so the choice is made once per trace.
-        ep = self.ep_mesh is not None and x_TxD.shape[0] % self.ep_mesh.size == 0
         y_TxD = moe_kernels.moe_ffn(
             x_TxD,
             r.expert_ids_Txk,
@@ -131,12 +163,22 @@ class MoE(nnx.Module):
             self.w_up[...],
             self.w_down[...],
             implementation=self.implementation,
-            mesh=self.ep_mesh if ep else None,
-            expert_axis=self.expert_axis if ep else None,
+            mesh=None if ep is None else ep.mesh,
+            expert_axis=None if ep is None else ep.axis,
         )
         if self.n_shared:
             y_TxD = y_TxD + self.shared(x_TxD)
-        return y_TxD.reshape(B, L, D), r.lb_loss, r.load_E
+        return self._batch_layout(y_TxD.reshape(B, L, D), ep), r.lb_loss, r.load_E
+
+    @staticmethod
+    def _batch_layout(a_BxLxD: jax.Array, ep: ExpertParallel | None) -> jax.Array:
+        """Pins the block's input and output to the activations' batch layout around the
+        shard_map (module docstring), so its all-token split does not spread into the
+        attention through sharding propagation, forwards or backwards."""
+        if ep is None or a_BxLxD.shape[0] % math.prod(ep.mesh.shape[a] for a in ep.batch_axes):
+            return a_BxLxD
+        layout = NamedSharding(ep.mesh, PartitionSpec(ep.batch_axes or None, None, None))
+        return jax.lax.with_sharding_constraint(a_BxLxD, layout)
 
 
 def update_router_bias(state: nnx.State, expert_load_LxE: jax.Array, rate: float) -> nnx.State:

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from ptrain.config.model import ModelConfig
-from ptrain.models import Decoder, RouterBias, update_router_bias
+from ptrain.models import Decoder, RouterBias, count_params, update_router_bias
 
 # ragged_dot: at these tiny shapes it compiles several times faster than the tiled "xla"
 # path (the MoE parity tests run the default implementation).
@@ -117,6 +117,7 @@ def test_mixed_layers_decode_with_the_cache_and_update_each_layers_bias(scan):
     cfg = ModelConfig(**MIXED, scan_layers=scan)
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     assert set(nnx.state(model).keys()) >= {"moe_blocks", "dense_blocks", "moe_blocks_1"}
+    assert sum(v[...].size for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param))) == count_params(cfg)
     graphdef, state = nnx.split(model)
     ids = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, 7)), jnp.int32)
     S = 8
@@ -159,8 +160,8 @@ class _FakeMesh:
         self.shape = {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1, **shape}
 
 
-def test_expert_parallel_axis_follows_the_rules_and_refuses_uneven_splits():
-    from ptrain.models.moe import expert_parallel_axis
+def test_expert_parallel_plan_follows_the_rules_and_refuses_uneven_splits():
+    from ptrain.models.moe import expert_parallel_axis, expert_parallel_plan
 
     cfg = ModelConfig(**CFG)
     assert expert_parallel_axis(cfg, None) is None
@@ -168,6 +169,9 @@ def test_expert_parallel_axis_follows_the_rules_and_refuses_uneven_splits():
     assert expert_parallel_axis(cfg, _FakeMesh(data=2, expert=4)) == "expert"
     assert expert_parallel_axis(ModelConfig(**{**CFG, "n_experts": 0}), _FakeMesh(expert=4)) is None
     assert expert_parallel_axis(cfg, _FakeMesh(fsdp=4), [("expert", "fsdp")]) == "fsdp"
+    plan = expert_parallel_plan(cfg, _FakeMesh(data=2, expert=4))  # default rules: batch over (data, fsdp)
+    assert (plan.axis, plan.batch_axes) == ("expert", ("data",))
+    assert expert_parallel_plan(cfg, _FakeMesh(data=8)) is None
     with pytest.raises(ValueError, match=r"n_experts=8 does not split over the 3 devices"):
         expert_parallel_axis(cfg, _FakeMesh(expert=3))
     with pytest.raises(ValueError, match="over one mesh axis"):

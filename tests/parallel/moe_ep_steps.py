@@ -14,6 +14,9 @@ model configs, from one saved Hugging Face folder each:
   - the compiled HLO of the expert-parallel step, and of the same step on the same mesh
     from a model built without the mesh (automatic partitioning only): collectives, and
     all-gathers of whole expert-weight stacks;
+  - for tiny_deepseek also a data=1 x tensor=2 x expert=4 mesh (expert weights split over
+    tensor too, attention heads over tensor), whose compile must not fall back to
+    replicating activations ("Involuntary full rematerialization" on stderr);
   - greedy generation from the expert-parallel model: prefill (16 tokens, expert-parallel)
     and decode steps (2 tokens, which do not split over 8 devices: the fallback path).
 Writes the figures to OUT.json; tests/parallel/test_moe_expert_parallel.py asserts on them.
@@ -147,7 +150,9 @@ def compare(ref: dict, got: dict) -> dict:
     }
 
 
-def check_config(name: str, cfg: ModelConfig, devices, folder: str, *, grad_accum: int, auto_hlo: bool) -> dict:
+def check_config(
+    name: str, cfg: ModelConfig, devices, folder: str, *, grad_accum: int, auto_hlo: bool, tensor_mesh: bool
+) -> dict:
     save_hf(Decoder(cfg, rngs=nnx.Rngs(0)), folder)
     batches = [random_batch(batch=8, length=16, vocab=VOCAB, seed=s) for s in (0, 1)]
 
@@ -172,8 +177,15 @@ def check_config(name: str, cfg: ModelConfig, devices, folder: str, *, grad_accu
         {str(v.sharding.spec) for k, v in flat(ep_placed.state.params).items() if "w_gate" in k}
     )
     result["ep_wired"] = sorted(
-        {str(getattr(m, "expert_axis", None)) for _, m in nnx.iter_graph(ep_model) if type(m).__name__ == "MoE"}
+        {str(getattr(m.ep, "axis", None)) for _, m in nnx.iter_graph(ep_model) if type(m).__name__ == "MoE"}
     )
+    if tensor_mesh:
+        # Experts over 4 devices, their FFN dimension and the attention heads over 2 more.
+        t_run = run_config(MeshConfig(data=1, tensor=2, expert=4), grad_accum)
+        t_mesh = make_mesh(t_run.mesh, devices)
+        got_t, t_hlo, _ = run_steps(t_run, load_model(t_run, folder, t_mesh), t_mesh, batches)
+        result["compare_tensor2_expert4"] = compare(ref, got_t)
+        result["hlo"]["tensor2_expert4"] = collectives(t_hlo)
     if auto_hlo:
         # The same mesh and placement, from a model built without the mesh: XLA partitions it.
         plain = load_hf(folder, scan_layers=cfg.scan_layers, remat=cfg.remat, moe_implementation=cfg.moe_implementation)
@@ -182,7 +194,8 @@ def check_config(name: str, cfg: ModelConfig, devices, folder: str, *, grad_accu
         result["hlo"]["automatic"] = collectives(auto_hlo)
         result["expert_stack_gathers"]["automatic"] = expert_stack_gathers(auto_hlo, E)
 
-    # Generation (fresh models: the step donated the loaded arrays): the 16-token prefill splits over the 8 devices, the 2-token decode steps fall back.
+    # Generation (fresh models: the step donated the loaded arrays): the 16-token prefill
+    # splits over the 8 devices, the 2-token decode steps fall back.
     g_ref = generate(load_model(one_run, folder, one_mesh), PROMPTS, max_new_tokens=3, prompt_bucket=8)
     g_ep = generate(load_model(ep_run, folder, ep_mesh), PROMPTS, max_new_tokens=3, prompt_bucket=8)
     result["generate_tokens_equal"] = bool(np.array_equal(g_ref.tokens_BxN, g_ep.tokens_BxN))
@@ -197,11 +210,23 @@ def main(out_path: str) -> None:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         results["tiny_moe"] = check_config(
-            "tiny_moe", model_config("tiny_moe"), devices, os.path.join(tmp, "moe"), grad_accum=1, auto_hlo=True
+            "tiny_moe",
+            model_config("tiny_moe"),
+            devices,
+            os.path.join(tmp, "moe"),
+            grad_accum=1,
+            auto_hlo=True,
+            tensor_mesh=False,
         )
         deepseek = model_config("tiny_deepseek", scan_layers=True, remat="full")
         results["tiny_deepseek"] = check_config(
-            "tiny_deepseek", deepseek, devices, os.path.join(tmp, "deepseek"), grad_accum=2, auto_hlo=False
+            "tiny_deepseek",
+            deepseek,
+            devices,
+            os.path.join(tmp, "deepseek"),
+            grad_accum=2,
+            auto_hlo=False,
+            tensor_mesh=True,
         )
     with open(out_path, "w") as f:
         json.dump(results, f, indent=1)

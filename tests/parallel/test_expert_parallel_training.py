@@ -28,7 +28,7 @@ def results(tmp_path_factory):
         timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    return dict(json.loads(out.read_text()), stderr=proc.stderr)
 
 
 @pytest.mark.multidevice
@@ -64,3 +64,15 @@ def test_expert_parallel_step_exchanges_tokens_instead_of_gathering_experts(resu
     if "automatic" in r["hlo"]:  # the same mesh and placement from a model built without the mesh
         assert r["hlo"]["automatic"]["all-to-all"] == 0, r["hlo"]
         assert r["expert_stack_gathers"]["automatic"] > 0, r["expert_stack_gathers"]
+
+
+@pytest.mark.multidevice
+def test_expert_parallel_with_a_tensor_axis_keeps_the_activation_layout(results):
+    """Experts over expert x their FFN over tensor: same step, and XLA never has to replicate
+    activations to move from the shard_map's all-token split to the attention's heads split."""
+    c = results["tiny_deepseek"]["compare_tensor2_expert4"]
+    assert c["loss"] < 1e-5 and c["grad_worst"] < 1e-4 and c["router_bias"] < 1e-6, c
+    assert results["tiny_deepseek"]["hlo"]["tensor2_expert4"]["all-to-all"] > 0
+    assert "Involuntary full rematerialization" not in results["stderr"], [
+        line for line in results["stderr"].splitlines() if "Involuntary" in line
+    ][:3]
