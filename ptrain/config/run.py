@@ -310,6 +310,7 @@ def _validate_values(run: RunConfig, where: str = "") -> None:
         f"greedy decoding (policy_temperature=0) gives one completion per prompt; set policy_samples=1, "
         f"got {a.dpo.policy_samples}",
     )
+    c(a.dpo.policy_eval_pairs >= 0, "algo.dpo.policy_eval_pairs", f"must be >= 0, got {a.dpo.policy_eval_pairs}")
     c(
         a.dpo.policy_max_new_tokens >= 1,
         "algo.dpo.policy_max_new_tokens",

@@ -174,6 +174,10 @@ class DPOAlgoConfig:
     policy_max_new_tokens: int = 128
     """Length cap of those completions, in tokens; a completion cut by it counts as
     incorrect. Must be >= 1."""
+    policy_eval_pairs: int = 128
+    """With policy_pairs > 0: held-out prompts sampled and graded the same way into the
+    held-out pairs the stage's preference metrics read (pairs drawn like the training ones).
+    0: those metrics read the data's own held-out pairs. Must be >= 0."""
 
 
 @dataclass

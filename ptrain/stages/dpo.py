@@ -130,8 +130,10 @@ def run_dpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict
     # The reference is the starting weights: everything below that reads it runs before
     # train_evaluate_export restores a checkpoint.
     init_params, init_mstate = placed.state.params, placed.state.model_state
+    pref_eval_cfg = data_cfg  # whose eval split the held-out preference metrics read
     if algo.policy_pairs:
-        data_cfg = policy_pairs_data(run, stage_dir, placed, init_params, init_mstate, data_cfg, tokenizer)
+        data_cfg, held = policy_pairs_data(run, stage_dir, placed, init_params, init_mstate, data_cfg, tokenizer)
+        pref_eval_cfg = held or data_cfg
 
     train_iter = make_preference_iterator(
         data_cfg, tokenizer, batch_size=t.global_batch_size, seq_len=t.seq_len, seed=data_cfg.shuffle_seed
@@ -147,11 +149,11 @@ def run_dpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict
         )
         batches = IteratorBatches(train_iter, transform=add_reference(*ref))
     evaluators = []
-    if data_cfg.eval_path is not None and t.eval_batches > 0:
+    if pref_eval_cfg.eval_path is not None and t.eval_batches > 0:
         ref_eval = reference_logprobs(
-            pair_logps, placed.mesh, init_params, init_mstate, data_cfg, tokenizer, split="eval", **passes
+            pair_logps, placed.mesh, init_params, init_mstate, pref_eval_cfg, tokenizer, split="eval", **passes
         )
-        evaluators.append(preference_evaluator(run, pair_logps, placed.mesh, data_cfg, tokenizer, ref_eval))
+        evaluators.append(preference_evaluator(run, pair_logps, placed.mesh, pref_eval_cfg, tokenizer, ref_eval))
     if data_cfg.eval_path is not None and t.eval_generate > 0:
         prompts = make_eval_prompts(data_cfg, tokenizer, limit=t.eval_generate)
         if any(p.task for p in prompts):

@@ -10,6 +10,11 @@ what lets preference optimisation fix them (iterative RPO, Pang et al. 2024, arX
 
 With `policy_step_level` the rejected side stops after its first wrong line (Step-DPO).
 
+The first `policy_eval_pairs` held-out prompts are sampled and graded the same way into
+held-out pairs (`policy_pairs_eval.jsonl`), on which the stage measures implicit-reward
+accuracy and margin: pairs drawn like the training pairs, so the held-out numbers measure
+what training optimises (scripted pairs contrast other mistakes than this policy's).
+
 The pairs are written once, as preference JSONL in chat form, into the stage folder
 (`policy_pairs.jsonl`, with the settings and counts in `policy_pairs.json`): a resumed
 stage reads the same pairs, so the saved data-iterator position stays valid, and users
@@ -34,6 +39,7 @@ from ptrain.envs.arithmetic import check_answer
 from ptrain.stages.evaluation import complete, eval_engine
 
 PAIRS_FILE = "policy_pairs.jsonl"
+EVAL_PAIRS_FILE = "policy_pairs_eval.jsonl"
 META_FILE = "policy_pairs.json"
 
 
@@ -45,6 +51,7 @@ def _settings(run: RunConfig) -> dict[str, Any]:
         "temperature": d.policy_temperature,
         "max_new_tokens": d.policy_max_new_tokens,
         "step_level": d.policy_step_level,
+        "eval_prompts": d.policy_eval_pairs,
         "seed": run.train.seed,
     }
 
@@ -119,11 +126,50 @@ def build_pairs(
     return pairs, counts
 
 
+def _sample_pairs(run, placed, state, data_cfg, tokenizer, settings, split: str, limit: int):
+    """(pairs, counts, bad-row report) from the first `limit` prompts of a split."""
+    report = BadRowReport(
+        source=f"{(data_cfg.train_path if split == 'train' else data_cfg.eval_path) or split} (policy_pairs prompts)",
+        policy=data_cfg.bad_rows,
+        keep_rows=data_cfg.report_rows,
+    )
+    prompts = [p for p in make_eval_prompts(data_cfg, tokenizer, split=split, limit=limit, report=report) if p.task]
+    if report.bad:
+        print(f"ptrain: {report.summary()}", flush=True)
+    if not prompts:
+        raise ValueError(
+            f"algo.dpo.policy_pairs > 0 needs {split} rows with task metadata (a verifier to grade the "
+            "samples); these rows have none: set algo.dpo.policy_pairs=0 to use their own pairs"
+        )
+    source = open_split(data_cfg, split)
+    completions = sample_completions(
+        run, placed, state, prompts, tokenizer, samples=settings["samples"], temperature=settings["temperature"],
+        max_new_tokens=settings["max_new_tokens"], seed=settings["seed"] + (0 if split == "train" else 1_000_003),
+    )  # fmt: skip
+    pairs, counts = build_pairs(
+        [source[p.row] for p in prompts], [p.task for p in prompts], completions, step_level=settings["step_level"]
+    )
+    counts["bad_prompt_rows"] = report.bad
+    return pairs, counts
+
+
 def policy_pairs_data(run: RunConfig, stage_dir: str, placed, params, model_state, data_cfg, tokenizer):
-    """data_cfg pointing its train split at on-policy pairs (sampled now, or read back on resume)."""
+    """(training data config, held-out data config or None), the training split pointing at
+    on-policy pairs of the first `policy_pairs` training prompts and the held-out one at pairs
+    sampled and graded the same way from the first `policy_eval_pairs` held-out prompts, so
+    the held-out preference metrics measure what training optimises. Sampled now, or read
+    back on resume."""
     settings = _settings(run)
     path, meta_path = os.path.join(stage_dir, PAIRS_FILE), os.path.join(stage_dir, META_FILE)
-    if os.path.isfile(path) and os.path.isfile(meta_path):
+    eval_path = os.path.join(stage_dir, EVAL_PAIRS_FILE)
+    n_eval = run.algo.dpo.policy_eval_pairs if data_cfg.eval_path is not None else 0
+
+    def configs():
+        train = dataclasses.replace(data_cfg, source="jsonl", train_path=path)
+        held = dataclasses.replace(data_cfg, source="jsonl", eval_path=eval_path) if n_eval else None
+        return train, held
+
+    if os.path.isfile(path) and os.path.isfile(meta_path) and (not n_eval or os.path.isfile(eval_path)):
         with open(meta_path) as f:
             meta = json.load(f)
         if meta.get("settings") != settings:
@@ -132,59 +178,39 @@ def policy_pairs_data(run: RunConfig, stage_dir: str, placed, params, model_stat
                 f"{settings}; use a new run_dir, or delete {path} and {meta_path} to sample again"
             )
         print(f"ptrain: reusing {meta['counts']['pairs']} on-policy pairs from {path}", flush=True)
-        return dataclasses.replace(data_cfg, source="jsonl", train_path=path)
+        return configs()
 
     t0 = time.time()
-    report = BadRowReport(
-        source=f"{data_cfg.train_path or 'the training data'} (policy_pairs prompts)",
-        policy=data_cfg.bad_rows,
-        keep_rows=data_cfg.report_rows,
-    )
-    prompts = [
-        p
-        for p in make_eval_prompts(data_cfg, tokenizer, split="train", limit=settings["prompts"], report=report)
-        if p.task
-    ]
-    if report.bad:
-        print(f"ptrain: {report.summary()}", flush=True)
-    if not prompts:
-        raise ValueError(
-            "algo.dpo.policy_pairs > 0 needs training rows with task metadata (a verifier to grade "
-            "the samples); these rows have none: set algo.dpo.policy_pairs=0 to use their own pairs"
-        )
-    source = open_split(data_cfg, "train")
-    completions = sample_completions(
-        run,
-        placed,
-        placed.state.replace(params=params, model_state=model_state),
-        prompts,
-        tokenizer,
-        samples=settings["samples"],
-        temperature=settings["temperature"],
-        max_new_tokens=settings["max_new_tokens"],
-        seed=settings["seed"],
-    )
-    pairs, counts = build_pairs(
-        [source[p.row] for p in prompts], [p.task for p in prompts], completions, step_level=settings["step_level"]
-    )
+    state = placed.state.replace(params=params, model_state=model_state)
+    pairs, counts = _sample_pairs(run, placed, state, data_cfg, tokenizer, settings, "train", settings["prompts"])
     if not pairs:
         raise ValueError(
-            f"the starting policy answered all {len(prompts)} sampled prompts correctly (or never "
+            f"the starting policy answered all {counts['prompts']} sampled prompts correctly (or never "
             "produced a non-empty wrong answer), so there is nothing to prefer: raise "
             "algo.dpo.policy_temperature or algo.dpo.policy_pairs, or set it to 0"
         )
+    meta = {"settings": settings, "counts": counts}
+    if n_eval:
+        held_pairs, held_counts = _sample_pairs(run, placed, state, data_cfg, tokenizer, settings, "eval", n_eval)
+        if not held_pairs:
+            raise ValueError(
+                f"the starting policy answered all {held_counts['prompts']} held-out prompts correctly, so there "
+                "are no held-out pairs to measure: set algo.dpo.policy_eval_pairs=0 to use the data's own"
+            )
+        write_jsonl(held_pairs, eval_path)
+        meta["eval_counts"] = held_counts
     write_jsonl(pairs, path)
     counts["seconds"] = round(time.time() - t0, 1)
-    counts["bad_prompt_rows"] = report.bad
     tmp = f"{meta_path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump({"settings": settings, "counts": counts}, f, indent=2)
+        json.dump(meta, f, indent=2)
     os.replace(tmp, meta_path)
+    held = f"; {meta['eval_counts']['pairs']} held-out pairs -> {eval_path}" if n_eval else ""
     print(
-        f"ptrain: sampled {settings['samples']} completions for each of {len(prompts)} prompts in "
+        f"ptrain: sampled {settings['samples']} completions for each of {counts['prompts']} prompts in "
         f"{counts['seconds']} s: sample accuracy {counts['sample_accuracy']:.3f}, {counts['pairs']} pairs "
         f"({counts['pairs_from_samples']} from samples, {counts['pairs_with_data_chosen']} with the data's chosen "
-        f"answer; {counts['prompts_all_correct']} prompts always right) -> {path}",
+        f"answer; {counts['prompts_all_correct']} prompts always right) -> {path}{held}",
         flush=True,
     )
-    return dataclasses.replace(data_cfg, source="jsonl", train_path=path)
+    return configs()

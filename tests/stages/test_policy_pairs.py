@@ -66,8 +66,15 @@ def test_written_pairs_are_reused_and_other_settings_are_refused(tmp_path):
     (tmp_path / policy_pairs.META_FILE).write_text(json.dumps(meta))
     data = DataConfig(format="preference")
     # reuse needs no model: placed and params are never touched
-    got = policy_pairs_data(run, str(tmp_path), None, None, None, data, tokenizer=None)
+    got, held = policy_pairs_data(run, str(tmp_path), None, None, None, data, tokenizer=None)
     assert got.source == "jsonl" and got.train_path == str(tmp_path / policy_pairs.PAIRS_FILE)
+    assert held is None  # no eval split: no held-out pairs
+    # With an eval split, the held-out pairs are read back from their own file.
+    data = DataConfig(format="preference", source="jsonl", train_path=str(tmp_path / "t.jsonl"),
+                      eval_path=str(tmp_path / "e.jsonl"))  # fmt: skip
+    (tmp_path / policy_pairs.EVAL_PAIRS_FILE).write_text(json.dumps(row()) + "\n")
+    got, held = policy_pairs_data(run, str(tmp_path), None, None, None, data, tokenizer=None)
+    assert held.eval_path == str(tmp_path / policy_pairs.EVAL_PAIRS_FILE) and got.eval_path == str(tmp_path / "e.jsonl")
     with pytest.raises(ValueError, match="delete .* to sample again"):
         policy_pairs_data(_run(tmp_path, policy_pairs=16), str(tmp_path), None, None, None, data, tokenizer=None)
 
