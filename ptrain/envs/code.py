@@ -12,8 +12,10 @@ for that run, so printing "passed" does not pass a test. (Code that reads the ha
 its own process could still forge results: the harness shares the solution's process by
 design, one process per sample; the sandbox keeps that process away from the host.)
 
-A machine where the sandbox cannot isolate anything is an error when the environment is
-built (SandboxUnavailableError says what to install), never a run of silent zeros.
+The stage's sandbox is `make_env(..., sandbox=)`: a Sandbox, or a SandboxConfig to build
+one from (None: the default config). A machine where it cannot isolate anything is an error
+when the environment is built (SandboxUnavailableError says what to install), never a run
+of silent zeros.
 
 Tasks: a bundled family of generated problems (FAMILIES: list and string functions with
 reference implementations that produce the hidden tests, each with a parameter that varies
@@ -82,6 +84,7 @@ def main():
             signal.setitimer(signal.ITIMER_REAL, 0)
 
     signal.signal(signal.SIGALRM, on_alarm)
+    report(load="start")
     namespace = {"__name__": "__solution__"}
     try:
         run(source, namespace, "solution.py")
@@ -139,7 +142,9 @@ def split_tests(source: str) -> tuple[list[str], list[str]]:
 
 
 def parse_results(stdout: str, nonce: str, n_tests: int) -> dict[str, Any]:
-    """The harness's result lines with this run's nonce: statuses per test and the load result."""
+    """The harness's result lines with this run's nonce: statuses per test and how loading
+    the solution went: None (the harness never started), "start" (the solution ended the
+    process while loading), "ok", "error" or "timeout"."""
     statuses: dict[int, str] = {}
     details: dict[int, str] = {}
     load = None
@@ -151,7 +156,7 @@ def parse_results(stdout: str, nonce: str, n_tests: int) -> dict[str, Any]:
             continue
         if not isinstance(rec, dict) or rec.get("nonce") != nonce:
             continue
-        if "load" in rec and load is None:
+        if "load" in rec and (load is None or load == "start"):
             load, load_detail = rec["load"], str(rec.get("detail", ""))
         i = rec.get("test")
         if isinstance(i, int) and 0 <= i < n_tests and i not in statuses:
@@ -429,11 +434,12 @@ class CodeEnv(SingleTurnEnv):
 
     def __init__(self, cfg: Any, options: Any, *, tokenizer: Any, sandbox: Any = None, runner: Any = None):
         super().__init__(cfg, options, tokenizer=tokenizer, sandbox=sandbox, runner=runner)
-        if sandbox is None:
-            from ptrain.config.sandbox import SandboxConfig
-            from ptrain.envs.sandbox import Sandbox
+        from ptrain.config.sandbox import SandboxConfig
+        from ptrain.envs.sandbox import Sandbox
 
-            sandbox = Sandbox(SandboxConfig())  # SandboxUnavailableError: what to install
+        if sandbox is None or isinstance(sandbox, SandboxConfig):
+            # Probes the backend now: SandboxUnavailableError says what to install.
+            sandbox = Sandbox(sandbox or SandboxConfig())
         self.sandbox = sandbox
         self._limits: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

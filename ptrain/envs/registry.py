@@ -29,6 +29,10 @@ ENV_CLASSES: dict[str, str] = {
     "math": "ptrain.envs.math:MathEnv",
     "code": "ptrain.envs.code:CodeEnv",
     "reasoning_gym": "ptrain.envs.reasoning_gym:ReasoningGymEnv",
+    "tool_use": "ptrain.envs.tool_use:ToolUseEnv",
+    "long_horizon": "ptrain.envs.long_horizon:LongHorizonEnv",
+    "terminal": "ptrain.envs.terminal:TerminalEnv",
+    "nemo_gym": "ptrain.envs.nemo_gym:NemoGymEnv",
 }
 """Environment kind -> 'module:Class' of its Environment."""
 
@@ -48,9 +52,9 @@ def make_env(cfg: EnvConfig, *, tokenizer: Any, sandbox: Any = None) -> Environm
     """Validate `cfg` (EnvConfigError names a bad key) and build its environment.
 
     tokenizer: the policy's Hugging Face tokenizer (its chat template renders the prompts).
-    sandbox: a `ptrain.envs.sandbox.Sandbox` for kinds that run model-written code; None
-    builds one with the default SandboxConfig, which raises SandboxUnavailableError (saying
-    what to install) on a machine where nothing isolates.
+    sandbox: a `ptrain.envs.sandbox.Sandbox` for kinds that run model-written code, or a
+    SandboxConfig to build one from; None builds one with the default SandboxConfig. Where
+    nothing isolates, that raises SandboxUnavailableError (saying what to install).
     """
     from ptrain.config.env import validate_env_config
 

@@ -222,7 +222,12 @@ class SingleTurnEnv:
     def judge_blocking(self, task: Task, answer: Any):
         """Run the judge on `answer` in a reward worker (blocking): a RewardOutcome."""
         self.warm_up()
-        return self.runner.run(type(self).judge, *self.judge_args(task, answer), timeout_s=self.cfg.reward_timeout_s)
+        outcome = self.runner.run(type(self).judge, *self.judge_args(task, answer), timeout_s=self.cfg.reward_timeout_s)
+        if outcome.kind in ("timeout", "crashed"):
+            # That worker was replaced by a cold one: warm it before the next judgement.
+            with self._warm_lock:
+                self._warmed = False
+        return outcome
 
     def extract(self, task: Task, text: str) -> Any:
         """The answer in `text` that the judge grades, or None when there is none."""

@@ -1,0 +1,52 @@
+"""The arithmetic environment: the SFT data's prompts and problems, graded by its verifier."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from ptrain.config.env import EnvConfig
+from ptrain.data import tasks as arithmetic_tasks
+from ptrain.data.tokenizer import build_tokenizer
+from ptrain.envs.registry import make_env
+from ptrain.rollout.protocol import SamplingParams
+from ptrain.rollout.replay import ReplayEngine
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer(vocab_size=300)
+
+
+def test_tasks_are_the_sft_records_prompts(tok):
+    env = make_env(EnvConfig(kind="arithmetic", n_train=30, n_eval=8, options={"ops": ["+", "-", "*"]}), tokenizer=tok)
+    train_records, eval_records = arithmetic_tasks.generate_records(30, 8, ops=("+", "-", "*"), seed=11)
+    train, held = env.tasks("train", seed=11), env.tasks("eval", seed=11)
+    assert [list(t.messages) for t in train] == [r["messages"][:1] for r in train_records]
+    assert [dict(t.data) for t in held] == [r["task"] for r in eval_records]
+    assert train[0].env == "arithmetic" and train[0].id == "train-0"
+
+
+def test_worked_solutions_score_one_and_slips_zero(tok):
+    env = make_env(EnvConfig(kind="arithmetic", n_train=3, n_eval=0, options={"format_reward": 0.25}), tokenizer=tok)
+    try:
+        task = env.tasks("train", seed=0)[0]
+        problem = arithmetic_tasks.Problem(task.data["op"], task.data["a"], task.data["b"])
+        wrong = arithmetic_tasks.worked_solution(problem, arithmetic_tasks._faults(problem)[0])
+        answers = [arithmetic_tasks.worked_solution(problem), wrong, "I do not know"]
+        out = asyncio.run(env.rollout(task, ReplayEngine(answers, tokenizer=tok), SamplingParams(n=3)))
+        assert [t.reward for t in out] == [1.25, 0.25, 0.0]
+        assert [t.metrics["correct"] for t in out] == [1.0, 0.0, 0.0]
+        assert out[0].turns[0].text == answers[0]
+    finally:
+        env.close()
+
+
+def test_impossible_counts_name_the_env_keys(tok):
+    env = make_env(
+        EnvConfig(kind="arithmetic", n_train=5000, n_eval=10, options={"min_digits": 1, "max_digits": 1}),
+        tokenizer=tok,
+    )
+    with pytest.raises(ValueError, match=r"env\.arithmetic\.n_train.*env\.arithmetic\.options\.max_digits"):
+        env.tasks("train", seed=0)
