@@ -33,6 +33,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -1029,9 +1030,23 @@ def serve(args) -> int:
         timeout_graceful_shutdown=args.graceful_shutdown_timeout,
         lifespan="on",
     )
+    # uvicorn drains on SIGTERM, then re-raises the signal to the handler it found; ours
+    # turns that into a normal return, so a drained server exits 0 (Ctrl-C likewise).
+    previous = signal.signal(signal.SIGTERM, _raise_stopped)
     try:
         DrainingServer(config).run()
+    except (Stopped, KeyboardInterrupt):
+        pass
     finally:
+        signal.signal(signal.SIGTERM, previous)
         engine.close()
     log.info("server stopped")
     return 0
+
+
+class Stopped(Exception):
+    """SIGTERM arrived after the server drained its requests."""
+
+
+def _raise_stopped(signum, frame) -> None:
+    raise Stopped()
