@@ -12,7 +12,7 @@ the task id), and scores every sample's decoded text:
   1. `extract(task, text)` (in this process, cheap, bounded): the answer, or None when the
      completion has none (reward 0, metric formatted=0, the judge is not called);
   2. `judge(*judge_args(task, answer))` in a worker process of `ptrain.envs.safety`, off
-     the event loop, with env.reward_timeout_s: a number in [0, 1] (1 = correct). A judge
+     the event loop (on the environment's own threads), with env.reward_timeout_s: a number in [0, 1] (1 = correct). A judge
      that raises, hangs, crashes or returns something else scores 0 with `reward_error`
      set, is logged and counted (`stats["reward_errors"]`), and the other samples go on;
   3. reward = format_reward * formatted + correct_reward * judged value, as the components
@@ -143,6 +143,7 @@ class SingleTurnEnv:
         self.stop_token_ids = tuple(int(i) for i in stop_token_ids(tokenizer))
         self._runner = runner
         self._owns_runner = runner is None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._warm_lock = threading.Lock()
         self._warmed = False
         self._tasks: dict[int, tuple[list[Task], list[Task]]] = {}
@@ -200,6 +201,17 @@ class SingleTurnEnv:
 
             self._runner = RewardRunner(workers=self.cfg.reward_workers, timeout_s=self.cfg.reward_timeout_s)
         return self._runner
+
+    @property
+    def executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        """This environment's threads that wait on its reward workers (one per worker): its
+        own, so that a backlog of slow judgements never takes the threads other environments
+        (or the event loop's default executor) need."""
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                self.cfg.reward_workers, thread_name_prefix=f"ptrain-reward-{self.name}"
+            )
+        return self._executor
 
     def warm_up(self) -> None:
         """Start every reward worker and import the judge's modules there (blocking; once)."""
@@ -265,7 +277,7 @@ class SingleTurnEnv:
         answer = self.extract(task, text)
         if answer is None:
             return self.unscored()
-        outcome = await asyncio.to_thread(self.judge_blocking, task, answer)
+        outcome = await asyncio.get_running_loop().run_in_executor(self.executor, self.judge_blocking, task, answer)
         if not outcome.ok:
             return self.failed(task, outcome.reason)
         value = outcome.reward
@@ -381,7 +393,10 @@ class SingleTurnEnv:
         )
 
     def close(self) -> None:
-        """Stop this environment's reward workers."""
+        """Stop this environment's reward workers and threads."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
         if self._runner is not None and self._owns_runner:
             self._runner.close()
             self._runner = None

@@ -50,6 +50,8 @@ from ptrain.rollout.protocol import (
 
 REPLAY_VERSION = "replay"
 """The weight version of every replayed sample."""
+HISTORY = 4096
+"""Sequences the emulated prefix cache remembers (the most recent)."""
 
 
 @dataclass(frozen=True)
@@ -138,7 +140,7 @@ class ReplayEngine(EngineBase):
         self._lock = threading.Lock()
         self._queues: dict[Any, deque[Completion]] = {}
         self._pending: dict[str, tuple[concurrent.futures.Future, list[Sample], threading.Timer]] = {}
-        self._history: list[tuple[int, ...]] = []
+        self._history: deque[tuple[int, ...]] = deque(maxlen=HISTORY)
         self._closed = False
         self._rid_counter = 0
         self.requests: list[GenerateRequest] = []

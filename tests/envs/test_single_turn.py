@@ -207,18 +207,19 @@ def test_a_slow_environment_holds_neither_the_others_nor_the_loop(tok):
 
         async def main():
             start = time.monotonic()
-            slow_engine = ReplayEngine(["slow", "slow"], tokenizer=tok)
+            # More slow judgements than the loop's default executor has threads (6 here).
+            slow_engine = ReplayEngine(["slow"] * 10, tokenizer=tok)
             fast_engine = ReplayEngine([f"Answer: {fast_task.data['answer']}"] * 2, tokenizer=tok)
             results = await asyncio.gather(
-                timed("slow", slow.rollout(slow_task, slow_engine, SamplingParams(n=2))),
+                timed("slow", slow.rollout(slow_task, slow_engine, SamplingParams(n=10))),
                 timed("fast", fast.rollout(fast_task, fast_engine, SamplingParams(n=2))),
                 ticker(),
             )
             return start, results
 
         start, (slow_out, fast_out, _) = asyncio.run(main())
-        assert [t.reward for t in fast_out] == [1.0, 1.0] and [t.reward for t in slow_out] == [1.0, 1.0]
-        assert done["fast"] - start < 1.0 < done["slow"] - start  # 2 x 1.5 s on one worker for slow
+        assert [t.reward for t in fast_out] == [1.0, 1.0] and [t.reward for t in slow_out] == [1.0] * 10
+        assert done["fast"] - start < 1.0 < 3.5 < done["slow"] - start  # 10 x 0.4 s on one worker for slow
         assert len(ticks) > (done["slow"] - start) / 0.05 * 0.5  # the loop kept running
     finally:
         slow.close()
