@@ -29,6 +29,9 @@ ENV_CLASSES: dict[str, str] = {
     "math": "ptrain.envs.math:MathEnv",
     "code": "ptrain.envs.code:CodeEnv",
     "reasoning_gym": "ptrain.envs.reasoning_gym:ReasoningGymEnv",
+    "tool_use": "ptrain.envs.tool_use:ToolUseEnv",
+    "long_horizon": "ptrain.envs.long_horizon:LongHorizonEnv",
+    "terminal": "ptrain.envs.terminal:TerminalEnv",
 }
 """Environment kind -> 'module:Class' of its Environment."""
 
