@@ -24,7 +24,7 @@ import dataclasses
 import os
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -347,7 +347,7 @@ class ReasoningGymOptions:
             extra = sorted(set(mapping) - set(self.datasets))
             _check(not extra, f"{where}.{key}", f"names {extra} are not in datasets {self.datasets}")
         for name, conf in self.dataset_configs.items():
-            _check(isinstance(conf, dict), f"{where}.dataset_configs.{name}", f"must be a mapping, got {conf!r}")
+            _check(isinstance(conf, Mapping), f"{where}.dataset_configs.{name}", f"must be a mapping, got {conf!r}")
             _, config_cls = DATASETS[name]
             valid = [f.name for f in dataclasses.fields(config_cls) if f.name not in ("size", "seed")]
             bad = sorted(k for k in conf if k not in valid)
@@ -398,18 +398,19 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         return value
     if origin is list:
         (item,) = typing.get_args(tp) or (Any,)
-        _check(isinstance(value, list | tuple), key, f"must be a list, got {value!r}")
+        # Any sequence or mapping: plain containers, or OmegaConf's ListConfig / DictConfig.
+        _check(isinstance(value, Sequence) and not isinstance(value, str), key, f"must be a list, got {value!r}")
         return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         _, item = typing.get_args(tp) or (str, Any)
-        _check(isinstance(value, dict), key, f"must be a mapping, got {value!r}")
+        _check(isinstance(value, Mapping), key, f"must be a mapping, got {value!r}")
         for k in value:
             _check(isinstance(k, str), key, f"keys must be strings, got {k!r}")
         return {k: _coerce(v, item, f"{key}.{k}") for k, v in value.items()}
     raise TypeError(f"{key}: options field type {_type_name(tp)} is not supported by validate_env_config")
 
 
-def build_options(cls: type, options: dict[str, Any] | None, where: str) -> Any:
+def build_options(cls: type, options: Mapping[str, Any] | None, where: str) -> Any:
     """An instance of options dataclass `cls` from a mapping; EnvConfigError names the bad key
     (`<where>.<key>`) and lists the valid keys, or names a value of the wrong type."""
     options = dict(options or {})
@@ -459,7 +460,7 @@ def validate_env_config(cfg: EnvConfig) -> Any:
     )
     _check(cfg.reward_timeout_s > 0, f"{where}.reward_timeout_s", f"must be > 0 seconds, got {cfg.reward_timeout_s}")
     _check(cfg.reward_workers >= 1, f"{where}.reward_workers", f"must be >= 1, got {cfg.reward_workers}")
-    _check(isinstance(cfg.options, dict), f"{where}.options", f"must be a mapping, got {cfg.options!r}")
+    _check(isinstance(cfg.options, Mapping), f"{where}.options", f"must be a mapping, got {cfg.options!r}")
     cls = KIND_OPTIONS.get(cfg.kind)
     _check(
         cls is not None,
