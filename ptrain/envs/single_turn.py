@@ -215,6 +215,8 @@ class SingleTurnEnv:
 
     def warm_up(self) -> None:
         """Start every reward worker and import the judge's modules there (blocking; once)."""
+        if type(self).judge is None:  # a kind that scores without reward workers (code: the sandbox)
+            return
         with self._warm_lock:
             if self._warmed:
                 return
