@@ -2,6 +2,7 @@
 
     python tools/nemo_gym_servers.py --list                      the servers in the nemo-gym wheel
     python tools/nemo_gym_servers.py --setup NAME [NAME ...]     build (or reuse) the venv for them
+    python tools/nemo_gym_servers.py --where NAME                the server's folder (data/example.jsonl, ...)
     python tools/nemo_gym_servers.py NAME [--port 0] [--set should_use_judge=false ...]
         -> prints `http://127.0.0.1:PORT` on its own line once the server accepts requests
 
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import fcntl
 import json
 import os
@@ -207,6 +209,11 @@ def ensure_venv(servers: list[str], venv: str | os.PathLike | None = None) -> Pa
     return python
 
 
+def server_dir(name: str, venv: str | os.PathLike | None = None) -> Path:
+    """The folder of resources server `name` in the venv (app.py, configs/, data/)."""
+    return _site_packages(venv_dir(venv)) / "resources_servers" / name
+
+
 def available_servers(site: Path | None = None, wheel: Path | None = None) -> list[str]:
     """Names of the resources servers (folders with an app.py) in the venv or in the wheel."""
     if site is not None:
@@ -219,9 +226,11 @@ def available_servers(site: Path | None = None, wheel: Path | None = None) -> li
 def _check_server_name(site: Path, name: str) -> None:
     if not (site / "resources_servers" / name / "app.py").exists():
         names = available_servers(site)
+        close = difflib.get_close_matches(name, names, n=3)
+        hint = f"did you mean {', '.join(close)}? " if close else ""
         raise SetupError(
-            f"no resources server {name!r} in nemo-gym {NEMO_GYM_VERSION}; available: {', '.join(names)} "
-            f"(python {Path(__file__).resolve()} --list)"
+            f"no resources server {name!r} in nemo-gym {NEMO_GYM_VERSION}; {hint}"
+            f"python {Path(__file__).resolve()} --list shows all {len(names)}"
         )
 
 
@@ -316,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--venv", default=None, help=f"NeMo Gym venv (default $PTRAIN_NEMO_GYM_VENV or {DEFAULT_VENV})")
     p.add_argument("--list", action="store_true", help="list the resources servers in the wheel")
     p.add_argument("--setup", nargs="+", metavar="NAME", help="build or reuse the venv for these servers, then exit")
+    p.add_argument("--where", metavar="NAME", help="build or reuse the venv for NAME, print the server's folder")
     p.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
@@ -334,6 +344,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.setup:
             python = ensure_venv(args.setup, args.venv)
             print(python)
+            return 0
+        if args.where:
+            python = ensure_venv([args.where], args.venv)
+            print(server_dir(args.where, args.venv))
             return 0
         if not args.name:
             p.error("name a resources server (--list shows them), or pass --list / --setup")

@@ -13,7 +13,8 @@ Jax-free, like the rest of ptrain.config.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 from ptrain.config.env import EnvConfigError, register_options
@@ -37,13 +38,23 @@ class NemoGymOptions:
     """JSONL rows of the held-out split (same format); null: from `rows` as above."""
     max_turns: int = 8
     """Model calls per episode at most (>= 1; NeMo Gym's max_steps). An episode that still
-    calls tools after the last one ends with finish_reason turn_limit and is verified as is."""
-    max_episode_tokens: int | None = None
-    """Tokens of the whole episode (prompt, policy and tool turns) at most (>= 1); null: the
-    engine's context length bounds it."""
+    calls tools on its last turn ends with finish_reason turn_limit (those calls are not
+    sent) and is verified as it stands."""
+    max_episode_tokens: int = 4096
+    """Tokens of the whole episode (prompt, policy and tool turns) at most (>= 2); each turn's
+    max_new_tokens is cut to what is left, and the engine's context length caps it too."""
+    max_tool_calls_per_turn: int = 8
+    """Tool calls sent per policy turn (>= 1); calls past it get an error observation and
+    count as invalid."""
     max_tool_output_chars: int = 8000
-    """Characters of one tool's answer that go into the policy's context (>= 1); the verify
-    request still carries the whole answer."""
+    """Characters of one tool answer that go into the policy's context (>= 100); the verify
+    request's function_call_output carries the whole answer."""
+    invalid_call_penalty: float = 0.0
+    """Taken from the reward of an episode with a malformed tool call or a call of a tool its
+    row does not declare (>= 0; reward component invalid_tool_call). Such calls are answered
+    with an error observation and never sent to the server."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra variables of the chat template, e.g. {enable_thinking: false} for Qwen3."""
     connect_timeout_s: float = 5.0
     """Seconds (> 0) to open a connection to the server before the episode fails with the URL named."""
     request_timeout_s: float = 60.0
@@ -81,11 +92,12 @@ class NemoGymOptions:
             path = getattr(self, key)
             check(path is None or os.path.isfile(path), key,
                   f"no file '{path}'; pass a NeMo Gym JSONL file (one row object per line)")  # fmt: skip
-        check(self.max_turns >= 1, "max_turns", f"must be >= 1, got {self.max_turns}")
-        check(self.max_episode_tokens is None or self.max_episode_tokens >= 1, "max_episode_tokens",
-              f"must be >= 1 or null, got {self.max_episode_tokens}")  # fmt: skip
-        check(self.max_tool_output_chars >= 1, "max_tool_output_chars",
-              f"must be >= 1, got {self.max_tool_output_chars}")  # fmt: skip
+        for key, lo in (("max_turns", 1), ("max_episode_tokens", 2), ("max_tool_calls_per_turn", 1),
+                        ("max_tool_output_chars", 100)):  # fmt: skip
+            value = getattr(self, key)
+            check(isinstance(value, int) and not isinstance(value, bool) and value >= lo, key,
+                  f"must be an integer >= {lo}, got {value!r}")  # fmt: skip
+        check(self.invalid_call_penalty >= 0, "invalid_call_penalty", f"must be >= 0, got {self.invalid_call_penalty}")
         for key in ("connect_timeout_s", "request_timeout_s", "verify_timeout_s"):
             check(getattr(self, key) > 0, key, f"must be > 0 seconds, got {getattr(self, key)}")
         check(self.reward_components_tolerance >= 0, "reward_components_tolerance",

@@ -42,7 +42,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
+import logging
 import math
 import sys
 import time
@@ -53,6 +55,24 @@ from typing import Any
 
 import httpx
 
+from ptrain.config.env_multi_turn import MultiTurnOptions
+from ptrain.config.env_nemo_gym import NemoGymOptions
+from ptrain.envs.base import Task, Trajectory, Turn
+from ptrain.envs.episode import EpisodeState
+from ptrain.envs.multi_turn import (
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    ChatFormat,
+    ChatTemplateError,
+    MultiTurnEnv,
+    ToolCall,
+    parse_tool_calls,
+)
+from ptrain.envs.tools import cap_text
+from ptrain.rollout.protocol import RolloutEngine, SamplingParams
+
+logger = logging.getLogger(__name__)
+
 NG_FAILURE_CLASS_KEY = "_ng_failure_class"
 """Verify answers that failed (a judge that did not answer, ...) carry their class here."""
 TASK_INDEX_KEY = "_ng_task_index"
@@ -61,6 +81,7 @@ ROLLOUT_INDEX_KEY = "_ng_rollout_index"
 ECHOED_KEYS = ("responses_create_params", "response")
 """Fields /verify echoes back from its request (left out of audit records and metrics requests)."""
 INPUT_ROLES = ("user", "system", "developer", "assistant")
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 MODEL_NAME = "ptrain"
 """`response.model` of the episodes ptrain sends to /verify."""
 
@@ -467,6 +488,314 @@ def read_verdict(answer: Mapping[str, Any], sent: Mapping[str, Any], *, where: s
     return Verdict(reward, components, error, record, metrics)
 
 
+# ----------------------------------------------------------------------------- the environment
+
+
+def split_policy_text(text: str, *, think_tags: bool = True) -> tuple[str, str, list[ToolCall]]:
+    """(reasoning, message text, tool calls) of a policy turn's decoded text.
+
+    The calls are `parse_tool_calls(text)`, exactly what the tool loop ran; the well-formed
+    blocks are cut from the message text (a malformed one stays there, as NeMo Gym's model
+    servers leave unparsable calls in the content). With think_tags, what precedes
+    `</think>` (after an optional `<think>`) is the reasoning.
+    """
+    calls = parse_tool_calls(text)
+    rest = text
+    for c in calls:
+        if c.error is None:
+            rest = rest.replace(f"{TOOL_CALL_OPEN}{c.raw}{TOOL_CALL_CLOSE}", "", 1)
+    reasoning = ""
+    if think_tags and THINK_CLOSE in rest:
+        head, _, rest = rest.partition(THINK_CLOSE)
+        reasoning = head.split(THINK_OPEN, 1)[-1].strip()
+    return reasoning, rest.strip(), calls
+
+
+def call_id(turn: int, k: int) -> str:
+    """The id of the k-th tool call of policy turn `turn` (1-based) of an episode."""
+    return f"call_{turn}_{k}"
+
+
+def model_calls(
+    token_ids: Sequence[int], logprobs: Sequence[float], turns: Sequence[Turn], *, think_tags: bool = True
+) -> list[ModelCall]:
+    """An episode's policy turns (of a Trajectory, or an EpisodeState's audit turns) as
+    NeMo Gym model calls: the token ids before each turn (its prompt), the turn's own ids and
+    log-probs, and its text split into reasoning, message and the calls that had a name and
+    arguments (with the ids the tool loop gave them)."""
+    out = []
+    policy_turns = [t for t in turns if t.role == "policy"]
+    for turn, t in enumerate(policy_turns, start=1):
+        reasoning, text, calls = split_policy_text(t.text, think_tags=think_tags)
+        out.append(ModelCall(
+            prompt_ids=list(token_ids[: t.start]),
+            output_ids=list(token_ids[t.start : t.end]),
+            logprobs=list(logprobs[t.start : t.end]),
+            text=text,
+            reasoning=reasoning,
+            calls=[(call_id(turn, k), c.name, json.dumps(c.arguments, ensure_ascii=False))
+                   for k, c in enumerate(calls) if c.error is None],
+        ))  # fmt: skip
+    return out
+
+
+def verify_record(trajectory: Trajectory) -> dict[str, Any] | None:
+    """The /verify answer an episode got (without the echoed request), from its audit turns."""
+    for t in reversed(trajectory.turns):
+        if t.role == "env" and t.tool == "verify":
+            return json.loads(t.text)
+    return None
+
+
+class NemoGymEnv(MultiTurnEnv):
+    """Environment kind `nemo_gym`: NeMo Gym rows played against a resources server (module docstring).
+
+    Built as every kind is, `NemoGymEnv(cfg, options, *, tokenizer)`, with a NemoGymOptions.
+    The tool loop is ptrain.envs.multi_turn's: each policy turn is its `_policy_turn`; what
+    differs is that every row brings its own tools (its chat format is built per tool set)
+    and every episode its own HTTP session, so the calls are answered here, by the server.
+    """
+
+    kind = "nemo_gym"
+
+    def __init__(self, cfg: Any, options: NemoGymOptions, *, tokenizer: Any, sandbox: Any = None):
+        loop = MultiTurnOptions(
+            max_turns=options.max_turns,
+            max_episode_tokens=options.max_episode_tokens,
+            max_tool_calls_per_turn=options.max_tool_calls_per_turn,
+            max_tool_output_chars=options.max_tool_output_chars,
+            invalid_call_penalty=options.invalid_call_penalty,
+            chat_template_kwargs=dict(options.chat_template_kwargs),
+        )
+        super().__init__(cfg, loop, tokenizer=tokenizer)
+        self.nemo_options = options
+        self.url = options.url.rstrip("/")
+        self.timeouts = Timeouts(options.connect_timeout_s, options.request_timeout_s, options.verify_timeout_s)
+        self.bad_rows: list[BadRow] = []
+        """Rows skipped (options.bad_rows=skip), with their file, line and problem."""
+        self._formats: dict[str, ChatFormat] = {}
+        self._rows = {"train": self._load(options.rows)}
+        if options.eval_rows is not None:
+            self._rows["eval"] = self._load(options.eval_rows)
+        else:
+            held = min(cfg.n_eval, max(len(self._rows["train"]) - 1, 0))
+            self._rows["eval"], self._rows["train"] = self._rows["train"][:held], self._rows["train"][held:]
+        if not self._rows["train"]:
+            raise RowError(
+                f"env.{self.name}.options.rows: no playable rows in {options.rows}"
+                + (f" ({len(self.bad_rows)} skipped: {self.bad_rows[0].problem})" if self.bad_rows else "")
+            )
+
+    # ----------------------------------------------------------------- rows and tasks
+
+    def _load(self, path: str) -> list[tuple[int, dict, list[dict]]]:
+        """(line, row, chat messages) of each playable row; a bad one fails or is skipped."""
+        rows = []
+        for line, row, problem in read_rows(path):
+            if problem is None:
+                try:
+                    messages, tools = check_row(row, developer_as_system=self.nemo_options.developer_as_system)
+                    self.chat_format(tools)
+                except (RowError, ChatTemplateError) as e:
+                    problem = str(e)
+            if problem is None:
+                rows.append((line, row, messages))
+                continue
+            if self.nemo_options.bad_rows == "fail":
+                raise RowError(f"{path}:{line}: {problem}; fix the row, or skip such rows with "
+                               f"env.{self.name}.options.bad_rows=skip")  # fmt: skip
+            self.bad_rows.append(BadRow(path, line, problem))
+            logger.warning("env %s: skipping %s:%d: %s", self.name, path, line, problem)
+        return rows
+
+    def chat_format(self, tools: list[dict[str, Any]]) -> ChatFormat:
+        """The chat format of episodes with these tools (built once per distinct tool set)."""
+        key = json.dumps(tools, sort_keys=True)
+        if key not in self._formats:
+            fmt = ChatFormat(self.tokenizer, tools, self.options.chat_template_kwargs)
+            fmt.check(self.env_roles)
+            self._formats[key] = fmt
+        return self._formats[key]
+
+    def make_tasks(self, seed: int) -> tuple[list[Task], list[Task]]:
+        """The rows in file order (the seed does not reorder them): at most cfg.n_train
+        training tasks and cfg.n_eval held-out ones. Task.data is the row as given."""
+        out = []
+        for split, limit in (("train", self.cfg.n_train), ("eval", self.cfg.n_eval)):
+            out.append([self.task(split, i, messages, row) for i, (_, row, messages) in
+                        enumerate(self._rows[split][:limit])])  # fmt: skip
+        return out[0], out[1]
+
+    # ----------------------------------------------------------------- episodes
+
+    async def rollout(self, task: Task, engine: RolloutEngine, sampling: SamplingParams) -> list[Trajectory]:
+        """`sampling.n` episodes of one row, concurrently, each in its own server session."""
+        _, tools = check_row(dict(task.data), developer_as_system=self.nemo_options.developer_as_system)
+        fmt = self.chat_format(tools)
+        if self.cfg.max_new_tokens is not None:
+            sampling = dataclasses.replace(sampling, max_new_tokens=self.cfg.max_new_tokens)
+        stops = tuple(dict.fromkeys(tuple(sampling.stop_token_ids) + fmt.end_of_turn_ids))
+        sampling = dataclasses.replace(sampling, stop_token_ids=stops)
+        prompt = fmt.prompt_ids(task.messages)
+        base = f"{self.name}/{task.id}"
+        k = self._in_flight[base]
+        self._in_flight[base] += 1
+        rid = base if k == 0 else f"{base}#{k + 1}"
+        try:
+            runs = [self._play(task, fmt, engine, sampling, j, prompt, rid) for j in range(sampling.n)]
+            results = await asyncio.gather(*runs, return_exceptions=True)
+        finally:
+            self._in_flight[base] -= 1
+            if self._in_flight[base] <= 0:
+                del self._in_flight[base]
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            raise failures[0]
+        return list(results)
+
+    async def _play(self, task: Task, fmt: ChatFormat, engine: RolloutEngine, sampling: SamplingParams, j: int,
+                    prompt: list[int], rid: str) -> Trajectory:  # fmt: skip
+        """One episode: seed, the tool loop with server-answered calls, verify."""
+        state = EpisodeState(self.name, task.id, j, list(prompt), [0] * len(prompt), [0.0] * len(prompt),
+                             prompt_length=len(prompt))  # fmt: skip
+        state.messages = [dict(m) for m in task.messages]
+        state.extra = {"tool_errors": 0, "outputs": {}}
+        limit = self.options.max_episode_tokens
+        context = getattr(engine, "context_length", None)
+        if isinstance(context, int) and context > 1:
+            limit = min(limit, context)
+        verdict = None
+        async with ResourcesSession(self.url, self.timeouts) as session:
+            try:
+                seeded = await session.seed_session(dict(task.data))
+                end = len(state.token_ids)
+                state.add_turn(Turn("env", end, end, text=json.dumps(seeded), tool="seed_session"))
+                while not state.done:
+                    if state.pending_calls:
+                        await self._send_calls(state, session, fmt, limit)
+                    else:
+                        await self._policy_turn(task, state, engine, sampling, limit,
+                                                f"{rid}/s{j}/t{state.policy_turns}")  # fmt: skip
+                truncated = state.finish_reason in ("length", "token_limit")
+                # As in every kind: a cut episode is scored only with env.score_truncated (length
+                # shaping is the RL stage's), an aborted one never.
+                if state.finish_reason != "abort" and (not truncated or getattr(self.cfg, "score_truncated", False)):
+                    verdict = await self._verify(task, state, session)
+            except NemoGymError as e:
+                self.stats["errors"] += 1
+                logger.warning("env %s task %s sample %d: %s", self.name, task.id, j, e)
+                self._finish(state, "error", str(e))
+        state.result = self._result(state, verdict)
+        self.stats["episodes"] += 1
+        return state.trajectory(task)
+
+    async def _send_calls(self, state: EpisodeState, session: ResourcesSession, fmt: ChatFormat, limit: int) -> None:
+        """POST each pending call of the last policy turn to its route (or answer an invalid
+        one with an error), then append the answers as the chat template renders tool messages."""
+        declared = [t["function"]["name"] for t in fmt.tools]
+        turn = state.policy_turns
+        results = []
+        for k, call in enumerate(state.pending_calls):
+            error = call["error"]
+            if error is None and k >= self.options.max_tool_calls_per_turn:
+                error = (
+                    f"more than {self.options.max_tool_calls_per_turn} tool calls in one turn; this one was not sent"
+                )
+            elif error is None and call["name"] not in declared:
+                error = f"unknown tool {call['name']!r}; this task's tools are {', '.join(declared) or '(none)'}"
+            if error is not None:
+                output, took = f"error: {error}", 0.0
+                state.invalid_tool_calls += 1
+            else:
+                start = time.monotonic()
+                reply = await session.call_tool(call["name"], call["arguments"])
+                output, took = reply.text, time.monotonic() - start
+                if not 200 <= reply.status < 300:
+                    error = f"POST {session.url}/{call['name']} answered {reply.status}"
+                    state.extra["tool_errors"] += 1
+            if call["name"] is not None and call["arguments"] is not None:
+                state.extra["outputs"][call_id(turn, k)] = output
+            state.tool_calls += 1
+            state.tool_time_s += took
+            results.append((call, output, error, took))
+        messages = [{"role": "tool", "name": call["name"] or "invalid",
+                     "content": cap_text(output, self.options.max_tool_output_chars)}
+                    for call, output, *_ in results]  # fmt: skip
+        ids, spans = fmt.delta_ids(messages)
+        fits = len(state.token_ids) + len(ids) < limit  # and one token left for the policy
+        start = state.append(ids, policy=False)[0] if fits else len(state.token_ids)
+        for (call, _, error, took), message, (a, b) in zip(results, messages, spans):
+            a, b = (start + a, start + b) if fits else (start, start)
+            state.add_turn(Turn("tool", a, b, text=message["content"], tool=call["name"],
+                                arguments=call["arguments"], duration_s=took, error=error))  # fmt: skip
+        state.messages.extend(messages)
+        state.pending_calls, state.call_results = [], []
+        if not fits:
+            self._finish(state, "token_limit")
+
+    async def _verify(self, task: Task, state: EpisodeState, session: ResourcesSession) -> Verdict:
+        """POST /verify with the row and the episode as a Responses `response`."""
+        calls = model_calls(
+            state.token_ids, state.logprobs, state.audit_turns(), think_tags=self.nemo_options.think_tags
+        )
+        items = output_items(calls, state.extra["outputs"])
+        tokens = state.tokens
+        usage = {"input_tokens": tokens["prompt_uncached"] + tokens["prompt_cached"],
+                 "cached_tokens": tokens["prompt_cached"], "output_tokens": tokens["output"]}  # fmt: skip
+        incomplete = "max_output_tokens" if state.finish_reason in ("length", "token_limit") else None
+        params = task.data["responses_create_params"]
+        body = {**task.data, "response": responses_response(params, items, usage=usage, incomplete=incomplete)}
+        answer = await session.verify(body)
+        verdict = read_verdict(answer, body, where=f"POST {session.url}/verify",
+                               tolerance=self.nemo_options.reward_components_tolerance)  # fmt: skip
+        end = len(state.token_ids)
+        state.add_turn(Turn("env", end, end, text=json.dumps(verdict.record), tool="verify",
+                            error=verdict.reward_error))  # fmt: skip
+        return verdict
+
+    def _result(self, state: EpisodeState, verdict: Verdict | None) -> dict[str, Any]:
+        """reward, components, reward_error and metrics of a finished episode."""
+        reward, components, reward_error, extra = 0.0, {}, None, {}
+        if verdict is not None:
+            reward, components, reward_error, extra = (verdict.reward, dict(verdict.components),
+                                                       verdict.reward_error, verdict.metrics)  # fmt: skip
+            if reward_error is not None:
+                self.stats["reward_errors"] += 1
+        if state.invalid_tool_calls and self.options.invalid_call_penalty:
+            components = components or {"verify": reward}
+            components["invalid_tool_call"] = -float(self.options.invalid_call_penalty)
+            reward = math.fsum(components.values())
+        metrics = {
+            "turns": float(state.policy_turns),
+            "tool_calls": float(state.tool_calls),
+            "invalid_tool_calls": float(state.invalid_tool_calls),
+            "tool_errors": float(state.extra["tool_errors"]),
+            "tool_time_s": state.tool_time_s,
+            "generation_time_s": state.generation_time_s,
+            "response_tokens": float(len(state.token_ids) - state.prompt_length),
+            "policy_tokens": float(sum(state.loss_mask)),
+            "verified": float(verdict is not None),
+            "truncated": float(state.finish_reason in ("length", "token_limit")),
+            "aborted": float(state.finish_reason == "abort"),
+            "reward_error": float(reward_error is not None),
+            **extra,
+        }
+        return {"reward": reward, "reward_components": components, "reward_error": reward_error, "metrics": metrics}
+
+    async def aggregate_metrics(self, trajectories: Iterable[Trajectory]) -> dict[str, Any]:
+        """The server's /aggregate_metrics over the verify answers of these episodes (grouped
+        by task, with their sample index): group_level_metrics, agent_metrics, key_metrics."""
+        entries, task_index = [], {}
+        for t in trajectories:
+            record = verify_record(t)
+            if record is not None:
+                index = task_index.setdefault(t.task.id, len(task_index))
+                entries.append({**record, TASK_INDEX_KEY: index, ROLLOUT_INDEX_KEY: t.sample_index})
+        async with ResourcesSession(self.url, self.timeouts) as session:
+            return await session.post_json("/aggregate_metrics", {"verify_responses": entries},
+                                           timeout_s=self.timeouts.verify_s)  # fmt: skip
+
+
 # ----------------------------------------------------------------------------- re-verifying recorded rollouts
 
 
@@ -582,7 +911,14 @@ def _cli_reverify(args: argparse.Namespace) -> int:
     timeouts = Timeouts(connect_s=args.connect_timeout, request_s=args.timeout, verify_s=args.verify_timeout)
     try:
         results = asyncio.run(
-            reverify(args.url, args.rollouts, rows_path=args.rows, replay_tools=not args.verify_only, timeouts=timeouts)
+            reverify(
+                args.url,
+                args.rollouts,
+                rows_path=args.rows,
+                replay_tools=not args.verify_only,
+                timeouts=timeouts,
+                concurrency=args.concurrency,
+            )  # fmt: skip
         )
     except (OSError, RowError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -621,7 +957,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--timeout", type=float, default=60.0, help="seconds for a seed or tool call (default 60)")
     r.add_argument("--verify-timeout", type=float, default=300.0, help="seconds for a /verify (default 300)")
     r.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to connect (default 5)")
+    r.add_argument("--concurrency", type=int, default=8, help="rollouts verified at once (default 8)")
     args = p.parse_args(argv)
+    if args.concurrency < 1:
+        p.error(f"--concurrency must be >= 1, got {args.concurrency}")
     return _cli_reverify(args)
 
 

@@ -32,6 +32,7 @@ ENV_CLASSES: dict[str, str] = {
     "tool_use": "ptrain.envs.tool_use:ToolUseEnv",
     "long_horizon": "ptrain.envs.long_horizon:LongHorizonEnv",
     "terminal": "ptrain.envs.terminal:TerminalEnv",
+    "nemo_gym": "ptrain.envs.nemo_gym:NemoGymEnv",
 }
 """Environment kind -> 'module:Class' of its Environment."""
 
