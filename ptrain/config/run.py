@@ -14,6 +14,7 @@ from omegaconf.errors import OmegaConfBaseException
 from ptrain.config import choices as C
 from ptrain.config.choices import one_of
 from ptrain.config.data import DataConfig, validate_data_config
+from ptrain.config.env import EnvConfig, EnvConfigError, validate_env_configs
 from ptrain.config.grpo import CostConfig, RolloutConfig, validate_grpo
 from ptrain.config.model import ModelConfig
 from ptrain.config.seeds import DEFAULT_SEED, resolve_seeds
@@ -52,6 +53,10 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    envs: dict[str, EnvConfig] = field(default_factory=dict)
+    """Environments of the stages that sample (grpo, eval), by name: `env=countdown` adds
+    one (Hydra group env/), `env=[countdown,math]` several; `envs.countdown.weight=2` sets
+    its share of the mix. A stage may pick some by name (stages[i].envs)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """The rollout engine of stages that sample (grpo, eval): local or an SGLang fleet."""
     cost: CostConfig = field(default_factory=CostConfig)
@@ -71,6 +76,7 @@ _GROUPS = {
     "logging": LoggingConfig,
     "checkpoint": CheckpointConfig,
     "rollout": RolloutConfig,
+    "env": EnvConfig,
 }
 
 
@@ -220,6 +226,28 @@ def validate(run: RunConfig) -> None:
                 os.path.isfile(os.path.join(s.init, "config.json")),
                 f"stages[{i}].init",
                 f"'{s.init}' is neither 'previous', 'base' nor a Hugging Face folder with a config.json",
+            )
+    for key, env in run.envs.items():
+        if env.name is None:
+            env.name = key
+        _check(
+            env.name == key, f"envs.{key}.name", f"must be null or the key it sits under ('{key}'), got '{env.name}'"
+        )
+    try:
+        validate_env_configs(list(run.envs.values()))
+    except EnvConfigError as e:
+        raise ConfigError(str(e)) from None
+    for i, s in enumerate(run.stages):
+        unknown = [n for n in s.envs if n not in run.envs]
+        _check(
+            not unknown, f"stages[{i}].envs", f"{unknown} are not environments of the run; it has {sorted(run.envs)}"
+        )
+        if STAGES[s.kind].samples:
+            _check(
+                bool(s.envs or run.envs),
+                "envs",
+                f"stage '{s.name}' ({s.kind}) samples environments, but the run has none: pass env=countdown "
+                "(or env=[countdown,math]; conf/env/ lists the kinds)",
             )
     for s in run.stages:
         stage_config(run, s)  # validates every stage's merged values

@@ -195,7 +195,7 @@ class StageConfig:
     name: str = "sft"
     """Unique stage name; its files live in <run_dir>/stages/<name>/."""
     kind: str = "sft"
-    """Which driver runs it: a kind of the registry ptrain.stages.STAGES (sft | dpo)."""
+    """Which driver runs it: a kind of the registry ptrain.stages.STAGES (sft | dpo | grpo | eval)."""
     init: str = "previous"
     """Starting weights: previous (the preceding stage's export; the base model for the
     first stage) | base (the model group's weights) | a local Hugging Face folder path."""
@@ -207,3 +207,5 @@ class StageConfig:
     """Overrides of `data` for this stage only."""
     algo: dict[str, Any] = field(default_factory=dict)
     """Overrides of `algo` for this stage only."""
+    envs: list[str] = field(default_factory=list)
+    """Names of the run's environments (`envs`) this stage samples; empty: all of them."""

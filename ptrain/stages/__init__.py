@@ -25,11 +25,14 @@ class StageKind:
     """'module:function' of the driver, imported on first use."""
     data_format: str | None = None
     """The data.format the kind reads (the config checks it); None: any SFT-style format."""
+    samples: bool = False
+    """The kind samples the run's environments (it needs at least one)."""
 
 
 STAGES: dict[str, StageKind] = {
     "sft": StageKind("ptrain.stages.sft:run_sft_stage"),
     "dpo": StageKind("ptrain.stages.dpo:run_dpo_stage", data_format="preference"),
+    "grpo": StageKind("ptrain.stages.grpo:run_grpo_stage", samples=True),
 }
 
 

@@ -1,0 +1,116 @@
+"""Evaluation of a policy on environments: reward, pass@k, lengths, tool use and tokens per env.
+
+Used by RL stages every `train.eval_every` steps and by the `eval` stage kind. Each env's
+"eval" tasks (the first `limit`) are sampled `samples` times; with samples = 1 and
+temperature 0 the numbers are greedy pass@1.
+
+pass@k is the unbiased estimator of Chen et al. 2021 (arXiv 2107.03374): with n samples
+of which c are correct, pass@k = 1 - C(n - c, k) / C(n, k), averaged over tasks. A sample
+is correct when its `correct` reward component is 1 (else when its reward is > 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from ptrain.envs.base import Environment, Trajectory
+from ptrain.rollout.protocol import SamplingParams
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of k samples drawn from n (c correct) is correct."""
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples per task, got {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def is_correct(t: Trajectory) -> bool:
+    return float(t.reward_components.get("correct", 1.0 if t.reward > 0 else 0.0)) >= 1.0
+
+
+def summarize(trajectories_by_task: Sequence[Sequence[Trajectory]], ks: Sequence[int]) -> dict[str, float]:
+    """Metrics of one environment from its tasks' sample lists."""
+    flat = [t for ts in trajectories_by_task for t in ts]
+    if not flat:
+        return {}
+    out: dict[str, float] = {
+        "reward": float(np.mean([t.reward for t in flat])),
+        "response_length": float(np.mean([t.tokens.output for t in flat])),
+        "truncated_frac": float(np.mean([t.finish_reason in ("length", "token_limit") for t in flat])),
+        "reward_errors": float(sum(t.reward_error is not None for t in flat)),
+        "env_errors": float(sum(t.error is not None for t in flat)),
+        "tokens_prompt_uncached": float(sum(t.tokens.prompt_uncached for t in flat)),
+        "tokens_prompt_cached": float(sum(t.tokens.prompt_cached for t in flat)),
+        "tokens_output": float(sum(t.tokens.output for t in flat)),
+    }
+    for k in ks:
+        vals = [pass_at_k(len(ts), sum(map(is_correct, ts)), k) for ts in trajectories_by_task if len(ts) >= k]
+        if vals:
+            out[f"pass@{k}"] = float(np.mean(vals))
+    names = sorted({k for t in flat for k in t.reward_components})
+    for name in names:
+        out[f"reward_{name}"] = float(np.mean([t.reward_components.get(name, 0.0) for t in flat]))
+    metric_names = sorted({k for t in flat for k in t.metrics})
+    for name in metric_names:
+        out[name] = float(np.mean([float(t.metrics.get(name, 0.0)) for t in flat]))
+    return out
+
+
+async def _rollouts(env: Environment, tasks, engine, sampling: SamplingParams, seed: int):
+    import dataclasses
+
+    coros = [env.rollout(t, engine, dataclasses.replace(sampling, sampling_seed=seed + i)) for i, t in enumerate(tasks)]
+    return await asyncio.gather(*coros)
+
+
+def evaluate_envs(
+    envs: Mapping[str, Environment],
+    engine,
+    *,
+    limit: int,
+    samples: int = 1,
+    temperature: float = 0.0,
+    max_new_tokens: int = 128,
+    ks: Sequence[int] = (1,),
+    seed: int = 0,
+) -> dict[str, float]:
+    """`<env>/<metric>` for every environment, plus the mean reward over environments."""
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, n=samples)
+    out: dict[str, float] = {}
+    for name, env in envs.items():
+        tasks = list(env.tasks("eval", seed=seed))[:limit]
+        if not tasks:
+            continue
+        results = asyncio.run(_rollouts(env, tasks, engine, sampling, seed))
+        for key, value in summarize(results, [k for k in ks if k <= samples]).items():
+            out[f"{name}/{key}"] = value
+    rewards = [v for k, v in out.items() if k.endswith("/reward")]
+    if rewards:
+        out["reward"] = float(np.mean(rewards))
+    return out
+
+
+def env_evaluator(run, envs: Mapping[str, Environment], engine, *, limit: int, sync_weights: bool = True):
+    """An evaluator for the shared loop: greedy pass@1 and the rest of `summarize` per env.
+    sync_weights: first bring the engine to the state's weights (off where the stage keeps
+    the engine current itself, as RL stages do after every step)."""
+
+    def evaluate(state) -> dict[str, float]:
+        if sync_weights:
+            engine.update_weights(state.params, state.model_state or None, mode="abort")
+        return evaluate_envs(
+            envs,
+            engine,
+            limit=limit,
+            samples=1,
+            temperature=0.0,
+            max_new_tokens=run.train.eval_max_new_tokens,
+        )
+
+    return evaluate

@@ -1,0 +1,312 @@
+"""The GRPO stage (and its relatives: Dr. GRPO, DAPO, GSPO, CISPO, RLOO): RL with verifiable rewards.
+
+One rollout batch = `prompts_per_step` tasks drawn from the stage's environments (mixed by
+weight) x `group_size` samples each, sampled by the rollout engine, scored by the
+environments. Then:
+
+  rewards -> (overlong shaping) -> group-relative advantages -> policy_batch rows
+          -> epochs x mini_batches optimizer steps of the pure policy objective
+             (ptrain.train.grpo; the same jitted step as SFT and DPO)
+          -> the new weights to the engine (a weight version per optimizer step)
+
+`train.steps` counts optimizer steps; a rollout batch lasts epochs x mini_batches of them.
+
+Modes (`algo.grpo.mode`):
+  sync   generate, then train: every sample comes from the weights being trained.
+  async  the collector keeps generating the next batches while this one trains (AReaL,
+         PipelineRL); a sample more than max_staleness versions older than the weights it
+         would train is dropped. With partial_rollouts the engine swaps weights in place
+         mid-sample; the loss's decoupled importance weight (engine vs proximal log-probs,
+         ptrain/train/grpo.py) keeps the clip unbiased either way.
+
+The driver stays thin: the rollout side is `RolloutBatches` (the loop's Batches protocol:
+its after-step hook pushes weights), the update side `Algorithm` (objective, denominator).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ptrain.config import RunConfig
+from ptrain.data.rollouts import policy_batch
+from ptrain.losses.advantages import group_advantages
+from ptrain.rollout.collector import Group, RolloutCollector
+from ptrain.rollout.protocol import SamplingParams
+from ptrain.stages.common import Algorithm, Stage, setup_stage, tokenizer_for, train_evaluate_export
+from ptrain.train.grpo import finalize_policy_metrics, make_policy_objective, policy_denominator, policy_logprobs
+from ptrain.train.state import TrainState
+
+
+def shaped_rewards(groups: list[Group], cfg) -> np.ndarray:
+    """[n_groups, G] rewards after DAPO's soft overlong penalty: in the last overlong_buffer
+    tokens before max_new_tokens the reward falls linearly by up to overlong_penalty."""
+    r = np.array([[t.reward for t in g.trajectories] for g in groups], np.float32)
+    if cfg.overlong_buffer > 0:
+        limit, buf = cfg.max_new_tokens, cfg.overlong_buffer
+        for i, g in enumerate(groups):
+            for j, t in enumerate(g.trajectories):
+                over = t.tokens.output - (limit - buf)
+                if over > 0:
+                    r[i, j] -= cfg.overlong_penalty * min(over / buf, 1.0)
+    return r
+
+
+class RolloutBatches:
+    """The loop's batches for an RL stage: rollout batches split into optimizer steps."""
+
+    def __init__(self, stage: Stage, collector: RolloutCollector, engine, *, costs, devices: int):
+        self.stage = stage
+        self.cfg = stage.run.algo.grpo
+        self.collector = collector
+        self.engine = engine
+        self.costs = costs
+        self.devices = devices
+        self.rows = self.cfg.prompts_per_step * self.cfg.group_size
+        self.queue: deque[dict] = deque()
+        self.step_metrics: deque[dict] = deque()
+        self.next_metrics: dict = {}
+        self.version = 0
+        self.state: TrainState | None = None
+        self.cost_usd = 0.0
+        self.reward_start: float | None = None
+        t = stage.run.train
+        self._old_logp = jax.jit(
+            lambda params, model_state, batch: policy_logprobs(
+                stage.placed.model_def, params, model_state, batch, temperature=self.cfg.temperature,
+                vocab_chunk=t.vocab_chunk,
+            )
+        )  # fmt: skip
+        self.seed = collector.seed
+
+    # ------------------------------------------------------------------ loop protocol
+
+    def begin(self, step: int, state: TrainState) -> None:
+        """Before the first step (fresh or resumed): bring the engine to these weights."""
+        self.state, self.version = state, step
+        self.engine.update_weights(state.params, state.model_state or None, weight_version=str(step), mode="abort")
+        self.collector.set_version(step)
+        if self.cfg.mode == "async":
+            self.collector.start()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        if not self.queue:
+            self._rollout()
+        return self.queue.popleft()
+
+    def after_step(self, step: int, state: TrainState, metrics: dict) -> None:
+        self.state, self.version = state, step
+        self.step_metrics.append(self.next_metrics)
+        self.next_metrics = {}
+        t0 = time.time()
+        if self.cfg.mode == "async":
+            mode = "in_place" if self.cfg.partial_rollouts else "drain"
+        else:
+            mode = "drain"
+            if self.queue:  # more optimizer steps on this rollout batch before the next sampling
+                return
+        self.engine.update_weights(state.params, state.model_state or None, weight_version=str(step), mode=mode)
+        self.collector.set_version(step)
+        self.step_metrics[-1] = dict(self.step_metrics[-1], **{"time/weight_sync_s": time.time() - t0})
+
+    def finalize(self, m: dict) -> dict:
+        """Host metrics of the oldest step not yet logged (the loop drains steps in order)."""
+        host = finalize_policy_metrics(m, self.stage.run.train.grad_accum)
+        host.update(self.step_metrics.popleft() if self.step_metrics else {})
+        return host
+
+    def get_state(self) -> dict[str, Any]:
+        return {"collector": self.collector.get_state(), "version": self.version, "cost_usd": self.cost_usd}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.collector.set_state(state["collector"])
+        self.version = int(state.get("version", 0))
+        self.cost_usd = float(state.get("cost_usd", 0.0))
+
+    # ------------------------------------------------------------------ one rollout batch
+
+    def _collect(self, n: int) -> list[Group]:
+        if self.cfg.mode == "async":
+            return self.collector.take(n, version=self.version, max_staleness=self.cfg.max_staleness)
+        return self.collector.collect(n, version=self.version)
+
+    def _rollout(self) -> None:
+        cfg = self.cfg
+        t0 = time.time()
+        stats0 = dict(self.collector.stats)
+        groups, dropped_zero_std, rounds = [], 0, 0
+        seen: list[Group] = []
+        while len(groups) < cfg.prompts_per_step and rounds < (cfg.max_sampling_rounds if cfg.dynamic_sampling else 1):
+            got = self._collect(cfg.prompts_per_step - len(groups) if rounds else cfg.prompts_per_step)
+            rounds += 1
+            seen += got
+            for g in got:
+                rewards = [t.reward for t in g.trajectories]
+                if cfg.dynamic_sampling and max(rewards) == min(rewards):
+                    dropped_zero_std += 1
+                    continue
+                groups.append(g)
+        if not groups:  # every group was degenerate: train on them (zero advantages) rather than stall
+            groups = seen[: cfg.prompts_per_step]
+        t_gen = time.time() - t0
+
+        rewards = shaped_rewards(groups, cfg)
+        adv, adv_aux = group_advantages(jnp.asarray(rewards), baseline=cfg.baseline, normalize_std=cfg.normalize_std)
+        adv = np.asarray(adv)
+        trajectories = [t for g in groups for t in g.trajectories]
+        flat_adv = adv.reshape(-1)
+        if cfg.invalid_tool_call_advantage is not None:
+            for i, t in enumerate(trajectories):
+                if t.metrics.get("invalid_tool_calls", 0) > 0:
+                    flat_adv[i] = cfg.invalid_tool_call_advantage
+        batch, counts = policy_batch(
+            trajectories, flat_adv, rows=self.rows, seq_len=self.stage.run.train.seq_len,
+            mask_truncated=cfg.overlong_filter,
+        )  # fmt: skip
+        if cfg.epochs > 1 or cfg.mini_batches > 1:
+            batch["old_logp"] = np.asarray(self._old_logp(self.state.params, self.state.model_state, batch))
+        self._split(batch)
+        if self.collector.audit is not None:
+            self.collector.audit.write(
+                {"record": "train_batch", "version": self.version, "groups": [g.index for g in groups],
+                 "tasks": [g.task.id for g in groups], "group_versions": [g.version for g in groups]}
+            )  # fmt: skip
+        self.next_metrics = self._metrics(groups, trajectories, rewards, adv_aux, counts, seen, dropped_zero_std,
+                                          stats0, t_gen)  # fmt: skip
+
+    def _split(self, batch: dict) -> None:
+        cfg = self.cfg
+        size = self.rows // cfg.mini_batches
+        for epoch in range(cfg.epochs):
+            # Seeded by the version the batch trains from, so a resumed stage splits alike.
+            rng = np.random.default_rng([self.seed, self.version, epoch])
+            order = rng.permutation(self.rows) if cfg.mini_batches > 1 else np.arange(self.rows)
+            for k in range(cfg.mini_batches):
+                idx = order[k * size : (k + 1) * size]
+                self.queue.append({key: v[idx] for key, v in batch.items()})
+
+    def _metrics(self, groups, trajectories, rewards, adv_aux, counts, seen, dropped_zero_std, stats0, t_gen) -> dict:
+        m: dict[str, float] = {}
+        lengths = np.array([t.tokens.output for t in trajectories], np.float32)
+        correct = np.array([float(t.reward_components.get("correct", t.reward > 0)) for t in trajectories])
+        m["reward/mean"] = float(rewards.mean())
+        m["reward/std"] = float(adv_aux.reward_std)
+        m["frac_zero_std_groups"] = float(adv_aux.frac_zero_std)
+        m["pass_rate"] = float(correct.mean())
+        m["response_length/mean"] = float(lengths.mean())
+        m["response_length/max"] = float(lengths.max())
+        if correct.any():
+            m["response_length/correct"] = float(lengths[correct > 0].mean())
+        if (correct == 0).any():
+            m["response_length/wrong"] = float(lengths[correct == 0].mean())
+        m["truncated_frac"] = float(np.mean([t.finish_reason in ("length", "token_limit") for t in trajectories]))
+        m["reward_errors"] = float(sum(t.reward_error is not None for t in trajectories))
+        m["env_errors"] = float(sum(t.error is not None for t in trajectories))
+        m["dropped_zero_std_groups"] = float(dropped_zero_std)
+        m["dropped_stale_groups"] = float(self.collector.stats["dropped_stale"] - stats0["dropped_stale"])
+        m["staleness/mean"] = float(np.mean([self.version - g.version for g in groups]))
+        m["staleness/max"] = float(max(self.version - g.version for g in groups))
+        m["clipped_trajectories"] = counts["clipped_trajectories"]
+        by_env: dict[str, list] = {}
+        for t in trajectories:
+            by_env.setdefault(t.task.env, []).append(t)
+        for env, ts in by_env.items():
+            r = np.array([t.reward for t in ts], np.float32)
+            m[f"reward/{env}/mean"] = float(r.mean())
+            m[f"reward/{env}/std"] = float(r.std())
+            names = sorted({k for t in ts for k in t.reward_components})
+            for name in names:
+                m[f"reward/{env}/{name}"] = float(np.mean([t.reward_components.get(name, 0.0) for t in ts]))
+        tok_unc = sum(t.tokens.prompt_uncached for t in trajectories)
+        tok_cached = sum(t.tokens.prompt_cached for t in trajectories)
+        tok_out = sum(t.tokens.output for t in trajectories)
+        m["tokens/prompt_uncached"] = float(tok_unc)
+        m["tokens/prompt_cached"] = float(tok_cached)
+        m["tokens/output"] = float(tok_out)
+        m["cached_token_ratio"] = tok_cached / max(tok_unc + tok_cached, 1)
+        m["time/generate_s"] = t_gen
+        m["generate_tokens_per_s"] = tok_out / max(t_gen, 1e-9)
+        c = self.costs
+        cost = (
+            tok_unc * c.input_uncached_per_mtok_usd + tok_cached * c.input_cached_per_mtok_usd
+            + tok_out * c.output_per_mtok_usd
+        ) / 1e6 + c.accelerator_hour_usd * self.devices * t_gen / 3600  # fmt: skip
+        self.cost_usd += cost
+        m["cost/step_usd"] = cost
+        m["cost/total_usd"] = self.cost_usd
+        if self.reward_start is None:
+            self.reward_start = m["reward/mean"]
+        gained = m["reward/mean"] - self.reward_start
+        m["reward_gained_per_usd"] = gained / self.cost_usd if self.cost_usd > 0 else 0.0
+        return m
+
+
+def run_grpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict:
+    """Run (or resume) one GRPO-family stage; returns its summary after export."""
+    from ptrain.data.report import BadRowReport
+    from ptrain.data.tokenizer import stop_token_ids
+    from ptrain.envs.audit import AuditLog
+    from ptrain.envs.mixture import EnvMixture
+    from ptrain.envs.registry import make_env
+    from ptrain.rollout.local import LocalEngine
+    from ptrain.stages.env_eval import env_evaluator
+
+    t_start = time.time()
+    cfg = run.algo.grpo
+    tokenizer = tokenizer_for(run, init_path)
+    stage = setup_stage(run, stage_dir, init_path, tokenizer, kind="grpo", t_start=t_start,
+                        with_reference=cfg.kl_coef > 0)  # fmt: skip
+    from ptrain.config.seeds import component_seed
+
+    configs = [run.envs[n] for n in (run.stages[0].envs or sorted(run.envs))]
+    envs = {e.env_name: make_env(e, tokenizer=tokenizer) for e in configs}
+    seed = component_seed(run, "train.seed")
+    tasks = EnvMixture(list(envs.values()), [e.weight for e in configs], seed=seed)
+    placed = stage.placed
+    model = placed.model_def.bind(placed.state.params, placed.state.model_state)
+    ro = run.rollout
+    engine = LocalEngine(
+        model,
+        max_running_requests=ro.max_running_requests,
+        context_length=ro.context_length or run.train.seq_len + 1,
+        mesh=placed.mesh,
+        eos_token_ids=stop_token_ids(tokenizer),
+        decode_steps=ro.decode_steps,
+        seed=seed,
+    )
+    sampling = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                              top_k=cfg.top_k)  # fmt: skip
+    audit = AuditLog(os.path.join(stage_dir, "audit.jsonl"))
+    ahead = (cfg.max_staleness + 1) * cfg.prompts_per_step if cfg.mode == "async" else 0
+    collector = RolloutCollector(envs, tasks, engine, sampling, group_size=cfg.group_size, seed=seed, ahead=ahead,
+                                 audit=audit)  # fmt: skip
+    batches = RolloutBatches(stage, collector, engine, costs=run.cost, devices=jax.device_count())
+    algorithm = Algorithm(
+        objective=make_policy_objective(
+            placed.model_def, cfg, vocab_chunk=run.train.vocab_chunk, aux_loss_coef=run.model.router_aux_loss_coef
+        ),  # fmt: skip
+        denominator=policy_denominator(cfg.aggregation),
+        finalize=batches.finalize,
+        tokens_in=lambda b: int(np.sum(b["segment_ids"] > 0)),
+    )
+    evaluators = (
+        [env_evaluator(run, envs, engine, limit=run.train.eval_generate, sync_weights=False)]
+        if run.train.eval_generate
+        else []
+    )
+    try:
+        return train_evaluate_export(stage, algorithm, batches, report=BadRowReport(source="environments"),
+                                     evaluators=evaluators)  # fmt: skip
+    finally:
+        collector.close()
+        engine.close()
+        audit.close()
