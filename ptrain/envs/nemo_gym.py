@@ -12,8 +12,9 @@ route, `/verify` scores a finished episode given in the OpenAI Responses shape, 
 `/aggregate_metrics` summarises many. Its session middleware gives each client a cookie, so
 every episode here has its own `httpx.AsyncClient` (its cookie jar carries the session from
 seed to verify). NeMo Gym's agent servers ask a model server for each turn; here ptrain's own
-engine samples the turns, so token ids stay exactly the sampled ones (the tool loop of
-`ptrain.envs.multi_turn`), and the rows' function tools become thin HTTP tools in that loop.
+engine samples the turns, so token ids stay exactly the sampled ones: each policy turn is the
+shared tool loop's (`ptrain.envs.multi_turn`), and each call it parses is answered by a POST
+to the server's route of that name.
 
 Per episode:
   1. POST /seed_session with the row;
@@ -26,6 +27,8 @@ Per episode:
      prompt_token_ids, generation_token_ids, generation_log_probs;
   4. reward and reward_components (checked to sum to the reward, as NeMo RL requires) from
      the answer; `_ng_failure_class` (e.g. a failed LLM judge) is a reward_error.
+An episode cut by a length limit is verified only with env.score_truncated (else reward 0,
+metric truncated 1, as in every kind); an aborted one never.
 A server that cannot be reached, answers an error status or does not answer in time makes
 the episode's finish_reason "error" with the URL, route and status in `Trajectory.error`;
 the run goes on.
@@ -86,6 +89,15 @@ MODEL_NAME = "ptrain"
 """`response.model` of the episodes ptrain sends to /verify."""
 
 
+CLI_OPTIONS = ("--url", "--timeout", "--verify-timeout")
+"""What sets the server's URL, the request timeout and the verify timeout on the command line."""
+
+
+def env_options(name: str) -> tuple[str, str, str]:
+    """The config keys that set an environment's URL, request timeout and verify timeout."""
+    return tuple(f"env.{name}.options.{key}" for key in ("url", "request_timeout_s", "verify_timeout_s"))
+
+
 class NemoGymError(RuntimeError):
     """A resources server that could not be reached, refused a request, did not answer in
     time or answered something unusable; the message names the URL, the route and the status."""
@@ -123,9 +135,11 @@ class ResourcesSession:
     answer, goes with every later request, as NeMo Gym's agent forwards it from seed to verify.
     """
 
-    def __init__(self, url: str, timeouts: Timeouts = Timeouts()):
+    def __init__(self, url: str, timeouts: Timeouts = Timeouts(), *, option_names: Sequence[str] = CLI_OPTIONS):
         self.url = url.rstrip("/")
         self.timeouts = timeouts
+        self.option_names = tuple(option_names)
+        """What sets the URL, the request timeout and the verify timeout (named in errors)."""
         self._client = httpx.AsyncClient(
             base_url=self.url,
             timeout=httpx.Timeout(timeouts.request_s, connect=timeouts.connect_s),
@@ -141,10 +155,6 @@ class ResourcesSession:
     async def close(self) -> None:
         await self._client.aclose()
 
-    @property
-    def cookies(self) -> dict[str, str]:
-        return dict(self._client.cookies)
-
     async def post(self, route: str, body: Any, *, timeout_s: float | None = None, what: str = "") -> Reply:
         """POST JSON to `route`; NemoGymError when the server is unreachable or too slow (any
         status comes back as a Reply: what an error status means is the caller's to say)."""
@@ -159,7 +169,7 @@ class ResourcesSession:
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
             raise NemoGymError(
                 f"{where}: the NeMo Gym resources server at {self.url} is unreachable ({type(e).__name__}: {e}); "
-                "start it (python tools/nemo_gym_servers.py NAME prints its URL) or fix env.options.url"
+                f"start it (python tools/nemo_gym_servers.py NAME prints its URL) or fix {self.option_names[0]}"
             ) from None
         except httpx.TimeoutException:
             limit = timeout.read
@@ -185,15 +195,15 @@ class ResourcesSession:
         return reply.json
 
     async def seed_session(self, row: Mapping[str, Any]) -> dict[str, Any]:
-        return await self.post_json("/seed_session", row, what=" (env.options.request_timeout_s)")
+        return await self.post_json("/seed_session", row, what=f" ({self.option_names[1]})")
 
     async def call_tool(self, name: str, arguments: Any) -> Reply:
         """POST /<name> with the arguments; every status is an answer for the policy to read."""
-        return await self.post(f"/{name}", arguments, what=" (env.options.request_timeout_s)")
+        return await self.post(f"/{name}", arguments, what=f" ({self.option_names[1]})")
 
     async def verify(self, body: Mapping[str, Any]) -> dict[str, Any]:
         return await self.post_json(
-            "/verify", body, timeout_s=self.timeouts.verify_s, what=" (env.options.verify_timeout_s)"
+            "/verify", body, timeout_s=self.timeouts.verify_s, what=f" ({self.option_names[2]})"
         )
 
 
@@ -574,17 +584,26 @@ class NemoGymEnv(MultiTurnEnv):
         self.bad_rows: list[BadRow] = []
         """Rows skipped (options.bad_rows=skip), with their file, line and problem."""
         self._formats: dict[str, ChatFormat] = {}
-        self._rows = {"train": self._load(options.rows)}
-        if options.eval_rows is not None:
-            self._rows["eval"] = self._load(options.eval_rows)
-        else:
-            held = min(cfg.n_eval, max(len(self._rows["train"]) - 1, 0))
-            self._rows["eval"], self._rows["train"] = self._rows["train"][:held], self._rows["train"][held:]
-        if not self._rows["train"]:
+        rows = self._load(options.rows)
+        if not rows:
             raise RowError(
                 f"env.{self.name}.options.rows: no playable rows in {options.rows}"
-                + (f" ({len(self.bad_rows)} skipped: {self.bad_rows[0].problem})" if self.bad_rows else "")
+                + (
+                    f" ({len(self.bad_rows)} skipped, e.g. line {self.bad_rows[0].line}: {self.bad_rows[0].problem})"
+                    if self.bad_rows
+                    else ""
+                )  # fmt: skip
             )
+        if options.eval_rows is not None:
+            self._rows = {"train": rows, "eval": self._load(options.eval_rows)}
+        elif len(rows) <= cfg.n_eval:
+            raise RowError(
+                f"env.{self.name}.options.rows: '{options.rows}' has {len(rows)} playable rows, and the first "
+                f"n_eval={cfg.n_eval} are held out, which leaves none to train on; pass a smaller "
+                f"env.{self.name}.n_eval (conf/env/nemo_gym.yaml sets 0) or options.eval_rows"
+            )
+        else:
+            self._rows = {"train": rows[cfg.n_eval :], "eval": rows[: cfg.n_eval]}
 
     # ----------------------------------------------------------------- rows and tasks
 
@@ -665,7 +684,7 @@ class NemoGymEnv(MultiTurnEnv):
         if isinstance(context, int) and context > 1:
             limit = min(limit, context)
         verdict = None
-        async with ResourcesSession(self.url, self.timeouts) as session:
+        async with ResourcesSession(self.url, self.timeouts, option_names=env_options(self.name)) as session:
             try:
                 seeded = await session.seed_session(dict(task.data))
                 end = len(state.token_ids)
@@ -791,7 +810,7 @@ class NemoGymEnv(MultiTurnEnv):
             if record is not None:
                 index = task_index.setdefault(t.task.id, len(task_index))
                 entries.append({**record, TASK_INDEX_KEY: index, ROLLOUT_INDEX_KEY: t.sample_index})
-        async with ResourcesSession(self.url, self.timeouts) as session:
+        async with ResourcesSession(self.url, self.timeouts, option_names=env_options(self.name)) as session:
             return await session.post_json("/aggregate_metrics", {"verify_responses": entries},
                                            timeout_s=self.timeouts.verify_s)  # fmt: skip
 
@@ -824,7 +843,11 @@ def join_task_fields(rollout: dict[str, Any], rows_by_input: Mapping[str, dict[s
 
 
 async def reverify_one(
-    url: str, rollout: dict[str, Any], *, replay_tools: bool = True, timeouts: Timeouts = Timeouts()
+    url: str,
+    rollout: dict[str, Any],
+    *,
+    replay_tools: bool = True,
+    timeouts: Timeouts = Timeouts(),
 ) -> dict[str, Any]:
     """Seed a session with the recorded row, replay its function calls (so stateful servers
     have the state the episode built), /verify it; the verdict, and how the replayed tool

@@ -2,8 +2,9 @@
 
 The servers run as separate processes from their own venv (tools/nemo_gym_servers.py builds
 it once and caches it): example_single_tool_call (one tool, constant reward),
-example_session_state_mgmt (a counter kept per session cookie) and math_with_judge
-(math-verify; its LLM judge is off in its config). Episodes are scripted through the
+example_session_state_mgmt (a counter kept per session cookie), math_with_judge
+(math-verify; its LLM judge is off in its config) and example_tool_call_multireward
+(reward_components: correctness, schema_valid, format). Episodes are scripted through the
 ReplayEngine with known tool calls and answers, so each reward is what the server says for
 them; one episode runs on a real LocalEngine with a tiny random model (the protocol is
 checked, not the reward). Without the package registry the venv cannot be built and these
@@ -38,6 +39,7 @@ from ptrain.envs.nemo_gym import (
     RowError,
     model_calls,
     output_items,
+    read_verdict,
     split_policy_text,
     verify_record,
 )
@@ -48,7 +50,7 @@ from tools.nemo_gym_servers import server_dir, setup_command
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "nemo_gym_servers.py"
-SERVERS = ("example_single_tool_call", "example_session_state_mgmt", "math_with_judge")
+SERVERS = ("example_single_tool_call", "example_session_state_mgmt", "math_with_judge", "example_tool_call_multireward")
 START_TIMEOUT_S = 120
 
 
@@ -126,6 +128,11 @@ def math_judge(nemo_gym_venv, tmp_path_factory):
     # math-verify's comparison of one recorded answer (powers of 2 +- sqrt(3) to the 2016th)
     # takes seconds; on a busy shared CPU the server's default 10 s limit can cut it and score 0.
     yield from serve("math_with_judge", tmp_path_factory.mktemp("logs"), "library_verifier_timeout_seconds=120")
+
+
+@pytest.fixture(scope="module")
+def multireward(nemo_gym_venv, tmp_path_factory):
+    yield from serve("example_tool_call_multireward", tmp_path_factory.mktemp("logs"))
 
 
 @pytest.fixture(scope="module")
@@ -217,6 +224,21 @@ def test_server_tool_lists_servers_and_names_close_matches(nemo_gym_venv):
     )
     assert bad.returncode == 2
     assert "no resources server 'example_single_tool'" in bad.stderr and "example_single_tool_call" in bad.stderr
+
+
+def test_server_venv_is_reused_not_rebuilt(nemo_gym_venv):
+    """A second setup finds everything in the stamp and installs nothing (the stamp is not rewritten)."""
+    from tools.nemo_gym_servers import STAMP, venv_dir
+
+    stamp = venv_dir() / STAMP
+    before = (stamp.stat().st_mtime_ns, json.loads(stamp.read_text()))
+    again = subprocess.run([sys.executable, str(TOOL), "--setup", *SERVERS], capture_output=True, text=True,
+                           timeout=120)  # fmt: skip
+    assert again.returncode == 0 and again.stdout.strip() == str(venv_dir() / "bin" / "python")
+    assert (stamp.stat().st_mtime_ns, json.loads(stamp.read_text())) == before
+    assert set(SERVERS) <= set(before[1]["servers"]) and before[1]["servers"]["math_with_judge"] == [
+        "math-verify==0.8.0"
+    ]
 
 
 # ----------------------------------------------------------------------------- scripted episodes
@@ -314,6 +336,48 @@ def test_math_with_judge_rewards_are_the_servers(tok, math_judge):
     assert len(metrics["group_level_metrics"]) == 1
 
 
+def test_reward_components_are_the_servers_and_sum_to_the_reward(tok, multireward):
+    """The server wants exactly one get_weather call and no prose; it has no get_weather route,
+    so the call's answer is its 404, which the policy reads like any other answer."""
+    env = make_env(tok, multireward.url, multireward.rows)
+    task = env.tasks("train", seed=0)[0]  # expects get_weather(city="San Francisco")
+    rid = f"{env.name}/{task.id}"
+    engine = ReplayEngine({
+        f"{rid}/s0/t0": [call("get_weather", city="San Francisco")],
+        f"{rid}/s0/t1": ["Here is the weather."],
+        f"{rid}/s1/t0": [call("get_weather", city="Paris")],
+        f"{rid}/s1/t1": ["Paris."],
+    }, tokenizer=tok)  # fmt: skip
+    right, wrong = run(env, task, engine, n=2)
+    assert right.reward_components == {"correctness": 1.0, "schema_valid": 1.0, "format": 0.0}
+    assert wrong.reward_components == {"correctness": 0.0, "schema_valid": 1.0, "format": 0.0}
+    assert (right.reward, wrong.reward) == (2.0, 1.0)
+    assert right.turns[2].error == f"POST {multireward.url}/get_weather answered 404"
+    assert right.metrics["verify_correctness"] == 1.0 and right.metrics["tool_errors"] == 1
+    # One turn only: the call is the whole response (not sent: the turn limit came first).
+    env = make_env(tok, multireward.url, multireward.rows, max_turns=1)
+    (only,) = run(env, task, ReplayEngine([call("get_weather", city="San Francisco")], tokenizer=tok))
+    assert only.finish_reason == "turn_limit" and only.metrics["tool_calls"] == 0
+    assert only.reward_components == {"correctness": 1.0, "schema_valid": 1.0, "format": 1.0}
+    assert only.reward == 3.0
+
+
+def test_verify_answers_are_read_strictly():
+    sent = {"responses_create_params": {"input": "x"}, "expected": 1}
+    good = read_verdict({**sent, "reward": 1.5, "reward_components": {"a": 1.0, "b": 0.5}, "score": 0.5}, sent,
+                        where="POST u/verify")  # fmt: skip
+    assert (good.reward, good.components, good.reward_error, good.metrics) == (
+        1.5, {"a": 1.0, "b": 0.5}, None, {"verify_score": 0.5})  # fmt: skip
+    bad_sum = read_verdict({"reward": 2.0, "reward_components": {"a": 1.0}}, sent, where="POST u/verify")
+    assert bad_sum.reward == 0.0 and "not the sum of reward_components" in bad_sum.reward_error
+    for answer in ({"reward": None}, {"reward": "1"}, {"reward": float("nan")}, {}):
+        v = read_verdict(answer, sent, where="POST u/verify")
+        assert v.reward == 0.0 and "without a finite number as reward" in v.reward_error
+    judged = read_verdict({"reward": 0.0, "_ng_failure_class": "judge_failed"}, sent, where="POST u/verify")
+    assert judged.reward == 0.0 and "_ng_failure_class='judge_failed'" in judged.reward_error
+    assert judged.metrics == {"verify_failed": 1.0}
+
+
 def test_split_policy_text_separates_reasoning_message_and_calls():
     text = "<think>plan</think>Calling.\n" + call("f", x=1) + "<tool_call>{oops</tool_call>"
     reasoning, message, calls = split_policy_text(text)
@@ -393,7 +457,7 @@ def reverify(server: Server, *paths: str, rows: bool = True) -> subprocess.Compl
     return subprocess.run(cmd + list(paths), capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
-@pytest.mark.parametrize("fixture", ["single_tool", "session_state", "math_judge"])
+@pytest.mark.parametrize("fixture", ["single_tool", "session_state", "math_judge", "multireward"])
 def test_reverify_reproduces_the_recorded_rewards(fixture, request, tmp_path):
     server: Server = request.getfixturevalue(fixture)
     proc = reverify(server, server.rollouts)
@@ -468,6 +532,16 @@ def test_malformed_rows_can_be_skipped_and_are_counted(tok, tmp_path):
     assert tasks[0].messages == ({"role": "user", "content": "What is 2 + 2?"},)
 
 
+def test_held_out_rows_come_first_and_must_leave_some_to_train(tok, tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("\n".join(json.dumps({"responses_create_params": {"input": f"q{i}"}}) for i in range(3)) + "\n")
+    env = make_env(tok, "http://127.0.0.1:9", str(rows), n_eval=1)
+    assert [t.messages[0]["content"] for t in env.tasks("eval", seed=0)] == ["q0"]
+    assert [t.messages[0]["content"] for t in env.tasks("train", seed=0)] == ["q1", "q2"]
+    with pytest.raises(RowError, match="has 3 playable rows, and the first n_eval=3 are held out"):
+        make_env(tok, "http://127.0.0.1:9", str(rows), n_eval=3)
+
+
 def test_options_are_checked_before_anything_runs(tmp_path):
     rows = tmp_path / "rows.jsonl"
     rows.write_text(GOOD_ROW + "\n")
@@ -539,7 +613,7 @@ def test_a_server_that_never_answers_times_out_naming_the_option(tok, tmp_path):
             conn.close()
         silent.close()
     assert t.finish_reason == "error"
-    assert t.error == f"POST {url}/seed_session: no answer within 0.5 s (env.options.request_timeout_s)"
+    assert t.error == f"POST {url}/seed_session: no answer within 0.5 s (env.nemo_gym.options.request_timeout_s)"
 
 
 def test_a_refused_seed_names_the_status_and_the_servers_reason(tok, session_state, tmp_path):
