@@ -297,7 +297,10 @@ def serve_inside(name: str, port: int, overrides: list[str]) -> None:
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((HOST, port))
+    try:
+        sock.bind((HOST, port))
+    except OSError as e:
+        raise SystemExit(f"cannot listen on {HOST}:{port} ({e}); pass another --port (0 picks a free one)") from None
     sock.listen(128)
     bound = sock.getsockname()[1]
     uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
