@@ -564,6 +564,7 @@ class NemoGymEnv(MultiTurnEnv):
     The tool loop is ptrain.envs.multi_turn's: each policy turn is its `_policy_turn`; what
     differs is that every row brings its own tools (its chat format is built per tool set)
     and every episode its own HTTP session, so the calls are answered here, by the server.
+    `stats["errors"]` counts episodes that a server failure (or an engine refusal) ended.
     """
 
     kind = "nemo_gym"
@@ -604,6 +605,12 @@ class NemoGymEnv(MultiTurnEnv):
             )
         else:
             self._rows = {"train": rows[cfg.n_eval :], "eval": rows[: cfg.n_eval]}
+
+    def set_episode_dir(self, folder: str | None) -> None:
+        """No episode checkpoints: an episode's state lives in the server's session, which a
+        restarted run cannot rejoin (its cookie is gone), so an unfinished episode is played
+        again from /seed_session instead of resumed."""
+        self.store = None
 
     # ----------------------------------------------------------------- rows and tasks
 

@@ -406,13 +406,15 @@ def test_invalid_and_failing_tool_calls_are_observations(tok, session_state):
     check_alignment(t, engine)
 
 
-def test_turn_limit_ends_the_episode_and_it_is_still_verified(tok, single_tool):
+def test_turn_limit_ends_the_episode_and_it_is_still_verified(tok, single_tool, tmp_path):
     env = make_env(tok, single_tool.url, single_tool.rows, max_turns=2)
+    env.set_episode_dir(str(tmp_path / "episodes"))  # ignored: a server session cannot be resumed
     task = env.tasks("train", seed=0)[0]
     engine = ReplayEngine([call("get_weather", city="SF")] * 2, tokenizer=tok)
     (t,) = run(env, task, engine)
     assert t.finish_reason == "turn_limit" and t.metrics["turns"] == 2 and t.metrics["tool_calls"] == 1
     assert t.metrics["verified"] == 1 and t.reward == 1.0
+    assert not (tmp_path / "episodes").exists()
 
 
 def test_a_cut_episode_is_verified_only_with_score_truncated(tok, single_tool):
