@@ -884,7 +884,9 @@ async def reverify_one(
                     continue
                 differ += 1
             out.update(tool_calls_replayed=replayed, tool_answers_differ=differ)
+        started = time.monotonic()
         answer = await session.verify(body)
+        out["verify_s"] = round(time.monotonic() - started, 3)
     verdict = read_verdict(answer, body, where=f"POST {url.rstrip('/')}/verify")
     return {"reward": verdict.reward, **({"reward_components": verdict.components} if verdict.components else {}),
             **({"reward_error": verdict.reward_error} if verdict.reward_error else {}), **out}  # fmt: skip

@@ -470,10 +470,13 @@ def test_reverify_reproduces_the_recorded_rewards(fixture, request, tmp_path):
         rollouts = [x for x in f if x.strip()]
     recorded = [json.loads(x)["reward"] for x in rollouts]
     rewards = [r["reward"] for r in results]
+    cut = []
     if fixture == "math_judge":
-        # math-verify cuts a sympy comparison at 5 s inside the server (not configurable);
-        # recorded row 2 compares (1 +- sqrt(3))**4033 forms and takes 3-6 s on these CPUs, so
-        # on a busy machine it can score 0. Such a row is verified again on its own.
+        # math-verify cuts a sympy comparison at 5 s of wall time inside the server (not
+        # configurable); recorded row 2 compares (1 +- sqrt(3))**4033 forms, 3.2 s of CPU here,
+        # so on a CPU shared with other jobs it can be cut and score 0. Such a row is verified
+        # again on its own; if its verify still took over 5 s and scored 0, the test says so
+        # (xfail) after every other row has been checked.
         for i in [i for i, (a, b) in enumerate(zip(rewards, recorded)) if a != b]:
             for _ in range(2):
                 one = tmp_path / f"row{i}.jsonl"
@@ -482,10 +485,16 @@ def test_reverify_reproduces_the_recorded_rewards(fixture, request, tmp_path):
                 if again["reward"] == recorded[i]:
                     rewards[i] = again["reward"]
                     break
+            else:
+                if again["reward"] == 0.0 and again["verify_s"] >= 5.0:
+                    cut.append((i + 1, again["verify_s"]))
+                    rewards[i] = recorded[i]
     assert rewards == recorded
     assert all(r["tool_answers_differ"] == 0 for r in results)
     key, value = lines[-1].split()
     assert key == "mean_reward" and float(value) == pytest.approx(sum(r["reward"] for r in results) / len(results))
+    if cut:
+        pytest.xfail(f"rows {cut} (line, verify seconds) scored 0 after math-verify's 5 s limit on this busy CPU")
 
 
 def test_reverify_without_the_task_fields_names_the_refusal(session_state):
