@@ -68,7 +68,8 @@ class TensorBoardSink:
     def write(self, step: int, record: dict) -> None:
         for k, v in record.items():
             if isinstance(v, (int, float)) and math.isfinite(v):
-                self._w.add_scalar(k, v, step)
+                # TensorBoard tags allow [A-Za-z0-9_./-]; pass@k becomes pass_at_k.
+                self._w.add_scalar(k.replace("@", "_at_"), v, step)
 
     def close(self) -> None:
         self._w.close()

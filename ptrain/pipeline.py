@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 
 from ptrain.checkpoint import is_done, read_done
 from ptrain.config import ConfigError, RunConfig, stage_config
-from ptrain.stages import stage_driver
+from ptrain.stages import STAGES, stage_driver
 
 log = logging.getLogger(__name__)
 
@@ -29,12 +29,16 @@ def stage_dir(run: RunConfig, name: str) -> str:
 
 
 def initial_weights(run: RunConfig, index: int) -> str | None:
-    """The HF folder a stage starts from; None means the embedded model built from config."""
+    """The HF folder a stage starts from; None means the embedded model built from config.
+    "previous" looks through stages that export nothing (eval) to the weights they read."""
     stage = run.stages[index]
     if stage.init == "base" or (stage.init == "previous" and index == 0):
         return run.model.hf_path
     if stage.init == "previous":
-        return os.path.join(stage_dir(run, run.stages[index - 1].name), "export")
+        prev = run.stages[index - 1]
+        if not STAGES[prev.kind].exports:
+            return initial_weights(run, index - 1)
+        return os.path.join(stage_dir(run, prev.name), "export")
     return stage.init
 
 

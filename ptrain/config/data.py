@@ -42,6 +42,11 @@ class GeneratedTaskConfig:
     seed: int | None = None
     """Seed of the problem draw; the same knobs and seed give byte-identical files. null:
     derived from the top-level `seed` (ptrain/config/seeds.py)."""
+    noise: float = 0.0
+    """Share of training rows (chat format) whose worked solution holds one plausible slip
+    (a dropped carry or a wrong digit, so a wrong final answer): imperfect demonstrations,
+    as human or model-written SFT data has. Held-out rows and task metadata stay correct.
+    In [0, 1)."""
 
 
 @dataclass
@@ -150,6 +155,7 @@ def validate_data_config(cfg: DataConfig) -> None:
             "generated.min_digits",
             f"got min_digits={g.min_digits} max_digits={g.max_digits}; pass 1 <= min_digits <= max_digits <= 9",
         )
+        _check(0 <= g.noise < 1, "generated.noise", f"must be in [0, 1), got {g.noise}")
         _check(
             len(g.ops) > 0 and all(op in TASK_OPS for op in g.ops),
             "generated.ops",

@@ -142,6 +142,24 @@ class GRPOAlgoConfig:
 
 
 @dataclass
+class EvalAlgoConfig:
+    """How environments are evaluated: by `eval` stages, and every train.eval_every steps by
+    RL stages. Greedy pass@1 is always reported; samples > 0 adds sampled metrics."""
+
+    limit: int | None = None
+    """Held-out tasks per environment (>= 1); null: all of each environment's eval tasks."""
+    samples: int = 0
+    """0: greedy decoding only. k > 0: also k samples per task at `temperature`, reported as
+    the mean reward, avg@k accuracy and pass@k for every k in `pass_k` up to k."""
+    temperature: float = 1.0
+    """Temperature of those samples (> 0)."""
+    max_new_tokens: int = 128
+    """Output tokens per sample (>= 1)."""
+    pass_k: list[int] = field(default_factory=lambda: [1, 4, 8])
+    """The k of pass@k (each >= 1; those above `samples` are skipped)."""
+
+
+@dataclass
 class RolloutConfig:
     kind: str = "local"
     """local (the in-process JAX engine) | sglang (an SGLang fleet; issue: fleet client)."""
@@ -185,6 +203,15 @@ class CostConfig:
     """Per million prompt tokens served from the prefix cache."""
     output_per_mtok_usd: float = 0.0
     """Per million generated tokens."""
+
+
+def validate_eval(cfg: EvalAlgoConfig, check) -> None:
+    """Reject impossible evaluation settings; `check(cond, key, message)` raises naming the key."""
+    check(cfg.limit is None or cfg.limit >= 1, "algo.eval.limit", f"must be null or >= 1, got {cfg.limit}")
+    check(cfg.samples >= 0, "algo.eval.samples", f"must be >= 0 (0: greedy only), got {cfg.samples}")
+    check(cfg.temperature > 0, "algo.eval.temperature", f"must be > 0, got {cfg.temperature}")
+    check(cfg.max_new_tokens >= 1, "algo.eval.max_new_tokens", f"must be >= 1, got {cfg.max_new_tokens}")
+    check(all(k >= 1 for k in cfg.pass_k), "algo.eval.pass_k", f"every k must be >= 1, got {list(cfg.pass_k)}")
 
 
 def validate_grpo(cfg: GRPOAlgoConfig, check) -> None:

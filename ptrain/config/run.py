@@ -15,7 +15,7 @@ from ptrain.config import choices as C
 from ptrain.config.choices import one_of
 from ptrain.config.data import DataConfig, validate_data_config
 from ptrain.config.env import EnvConfig, EnvConfigError, validate_env_configs
-from ptrain.config.grpo import CostConfig, RolloutConfig, validate_grpo
+from ptrain.config.grpo import CostConfig, RolloutConfig, validate_eval, validate_grpo
 from ptrain.config.model import ModelConfig
 from ptrain.config.seeds import DEFAULT_SEED, resolve_seeds
 from ptrain.config.train import (
@@ -345,6 +345,7 @@ def _validate_values(run: RunConfig, where: str = "") -> None:
         f"must be >= 1, got {a.dpo.policy_max_new_tokens}",
     )
     validate_grpo(a.grpo, c)
+    validate_eval(a.eval, c)
     ro = run.rollout
     c(ro.kind in C.ROLLOUT_KINDS, "rollout.kind", f"pass {one_of(C.ROLLOUT_KINDS)}, got '{ro.kind}'")
     c(ro.max_running_requests >= 1, "rollout.max_running_requests", f"must be >= 1, got {ro.max_running_requests}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ptrain.config.grpo import GRPOAlgoConfig
+from ptrain.config.grpo import EvalAlgoConfig, GRPOAlgoConfig
 
 
 @dataclass
@@ -188,6 +188,8 @@ class AlgoConfig:
     """Settings of DPO-family stages."""
     grpo: GRPOAlgoConfig = field(default_factory=GRPOAlgoConfig)
     """Settings of GRPO-family stages (ptrain/config/grpo.py)."""
+    eval: EvalAlgoConfig = field(default_factory=EvalAlgoConfig)
+    """How environments are evaluated (eval stages; RL stages' periodic evaluation)."""
 
 
 @dataclass

@@ -46,6 +46,7 @@ def _cache_key(cfg: DataConfig, tokenizer, split: str, seq_len: int, what: str) 
             g.max_digits,
             tuple(g.ops),
             generated_task_seed(cfg),
+            g.noise,
         )
     else:
         path = cfg.train_path if split == "train" else cfg.eval_path

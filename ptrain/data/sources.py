@@ -252,6 +252,7 @@ def _generate(cfg: DataConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any
         min_digits=g.min_digits,
         max_digits=g.max_digits,
         seed=generated_task_seed(cfg),
+        noise=g.noise,
     )
 
 

@@ -182,11 +182,17 @@ def generate_problems(
     return out[n_eval:], out[:n_eval]
 
 
-def chat_record(p: Problem) -> dict[str, Any]:
-    """SFT / eval / RL record: user question, assistant worked solution, task metadata."""
+def chat_record(p: Problem, fault: tuple[str, int] | None = None) -> dict[str, Any]:
+    """SFT / eval / RL record: user question, assistant worked solution, task metadata. With
+    `fault` the solution holds that slip (a noisy demonstration); the metadata keeps the
+    correct answer and names the fault."""
+    task = p.metadata() if fault is None else {**p.metadata(), "fault": f"{fault[0]}@{fault[1]}"}
     return {
-        "messages": [{"role": "user", "content": p.question()}, {"role": "assistant", "content": worked_solution(p)}],
-        "task": p.metadata(),
+        "messages": [
+            {"role": "user", "content": p.question()},
+            {"role": "assistant", "content": worked_solution(p, fault)},
+        ],
+        "task": task,
     }
 
 
@@ -211,11 +217,19 @@ def generate_records(
     min_digits: int = 2,
     max_digits: int = 3,
     seed: int = 0,
+    noise: float = 0.0,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(train, eval) records of kind 'chat' (SFT) or 'preference' (DPO), deterministic in all arguments."""
+    """(train, eval) records of kind 'chat' (SFT) or 'preference' (DPO), deterministic in all
+    arguments. noise: share of chat training records whose worked solution holds one slip."""
     train, held = generate_problems(n_train, n_eval, ops=ops, min_digits=min_digits, max_digits=max_digits, seed=seed)
     if kind == "chat":
-        return [chat_record(p) for p in train], [chat_record(p) for p in held]
+        rng = random.Random(seed + 2)
+
+        def noisy(p: Problem) -> dict[str, Any]:
+            faults = _faults(p) if noise and rng.random() < noise else []
+            return chat_record(p, faults[rng.randrange(len(faults))] if faults else None)
+
+        return [noisy(p) for p in train], [chat_record(p) for p in held]
     if kind == "preference":
         rng = random.Random(seed + 1)
         return [preference_record(p, rng) for p in train], [preference_record(p, rng) for p in held]

@@ -27,12 +27,16 @@ class StageKind:
     """The data.format the kind reads (the config checks it); None: any SFT-style format."""
     samples: bool = False
     """The kind samples the run's environments (it needs at least one)."""
+    exports: bool = True
+    """The kind writes new weights to export/ (eval does not: the next stage starts from
+    the weights it evaluated)."""
 
 
 STAGES: dict[str, StageKind] = {
     "sft": StageKind("ptrain.stages.sft:run_sft_stage"),
     "dpo": StageKind("ptrain.stages.dpo:run_dpo_stage", data_format="preference"),
     "grpo": StageKind("ptrain.stages.grpo:run_grpo_stage", samples=True),
+    "eval": StageKind("ptrain.stages.eval:run_eval_stage", samples=True, exports=False),
 }
 
 

@@ -69,48 +69,53 @@ async def _rollouts(env: Environment, tasks, engine, sampling: SamplingParams, s
     return await asyncio.gather(*coros)
 
 
-def evaluate_envs(
-    envs: Mapping[str, Environment],
-    engine,
-    *,
-    limit: int,
-    samples: int = 1,
-    temperature: float = 0.0,
-    max_new_tokens: int = 128,
-    ks: Sequence[int] = (1,),
-    seed: int = 0,
-) -> dict[str, float]:
-    """`<env>/<metric>` for every environment, plus the mean reward over environments."""
-    sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, n=samples)
+def evaluate_envs(envs: Mapping[str, Environment], engine, cfg, *, seed: int = 0, audit=None) -> dict[str, float]:
+    """Greedy `<env>/<metric>` for every environment (pass@1, reward, lengths, tool use,
+    tokens), with cfg.samples > 0 also `<env>/sampled/<metric>` over that many samples at
+    cfg.temperature (reward, accuracy = avg@k, pass@k), and the means over environments.
+    `cfg` is an algo.eval config; `audit` an AuditLog for every episode (record "eval")."""
+    runs = [("", SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=0.0, n=1), (1,))]
+    if cfg.samples > 0:
+        sampled = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, n=cfg.samples)
+        runs.append(("sampled/", sampled, tuple(k for k in cfg.pass_k if k <= cfg.samples)))
     out: dict[str, float] = {}
     for name, env in envs.items():
-        tasks = list(env.tasks("eval", seed=seed))[:limit]
+        tasks = list(env.tasks("eval", seed=seed))
+        tasks = tasks[: cfg.limit] if cfg.limit else tasks
         if not tasks:
             continue
-        results = asyncio.run(_rollouts(env, tasks, engine, sampling, seed))
-        for key, value in summarize(results, [k for k in ks if k <= samples]).items():
-            out[f"{name}/{key}"] = value
-    rewards = [v for k, v in out.items() if k.endswith("/reward")]
-    if rewards:
-        out["reward"] = float(np.mean(rewards))
+        for prefix, sampling, ks in runs:
+            results = asyncio.run(_rollouts(env, tasks, engine, sampling, seed))
+            if audit is not None:
+                for ts in results:
+                    audit.write_all(ts, record="eval", decoding=prefix.rstrip("/") or "greedy")
+            summary = summarize(results, ks)
+            if prefix:
+                flat = [t for ts in results for t in ts]
+                summary["accuracy"] = float(np.mean([is_correct(t) for t in flat])) if flat else 0.0
+            for key, value in summary.items():
+                out[f"{name}/{prefix}{key}"] = value
+    per_env = dict(out)
+    for key in ("reward", "pass@1", "sampled/reward", "sampled/accuracy"):
+        vals = [v for k, v in per_env.items() if k.split("/", 1)[1] == key]
+        if vals:
+            out[key] = float(np.mean(vals))
     return out
 
 
-def env_evaluator(run, envs: Mapping[str, Environment], engine, *, limit: int, sync_weights: bool = True):
-    """An evaluator for the shared loop: greedy pass@1 and the rest of `summarize` per env.
-    sync_weights: first bring the engine to the state's weights (off where the stage keeps
-    the engine current itself, as RL stages do after every step)."""
+def env_evaluator(run, envs: Mapping[str, Environment], engine, *, sync_weights: bool = True):
+    """An evaluator for the shared loop (`evaluate_envs` with run.algo.eval). sync_weights:
+    first bring the engine to the state's weights (off where the stage keeps the engine
+    current itself, as RL stages do after every step)."""
+
+    import dataclasses
+
+    cfg = run.algo.eval
+    cfg = dataclasses.replace(cfg, limit=cfg.limit or run.train.eval_generate or None)
 
     def evaluate(state) -> dict[str, float]:
         if sync_weights:
             engine.update_weights(state.params, state.model_state or None, mode="abort")
-        return evaluate_envs(
-            envs,
-            engine,
-            limit=limit,
-            samples=1,
-            temperature=0.0,
-            max_new_tokens=run.train.eval_max_new_tokens,
-        )
+        return evaluate_envs(envs, engine, cfg)
 
     return evaluate

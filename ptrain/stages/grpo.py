@@ -298,11 +298,9 @@ def run_grpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
         finalize=batches.finalize,
         tokens_in=lambda b: int(np.sum(b["segment_ids"] > 0)),
     )
-    evaluators = (
-        [env_evaluator(run, envs, engine, limit=run.train.eval_generate, sync_weights=False)]
-        if run.train.eval_generate
-        else []
-    )
+    # The environments' held-out tasks (algo.eval; at most train.eval_generate of each unless
+    # algo.eval.limit says) at the start, every train.eval_every steps and at the end.
+    evaluators = [env_evaluator(run, envs, engine, sync_weights=False)] if run.train.eval_generate else []
     try:
         return train_evaluate_export(stage, algorithm, batches, report=BadRowReport(source="environments"),
                                      evaluators=evaluators)  # fmt: skip

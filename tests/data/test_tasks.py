@@ -107,3 +107,15 @@ def test_write_jsonl_if_changed_keeps_an_identical_file(tmp_path):
     assert os.stat(path).st_mtime_ns == 1
     tasks.write_jsonl(train[:5], path, if_changed=True)
     assert os.stat(path).st_mtime_ns != 1 and len(open(path).readlines()) == 5
+
+
+def test_noise_gives_that_share_of_wrong_demonstrations_and_clean_held_out_rows():
+    from ptrain.envs.arithmetic import check_answer
+
+    train, held = tasks.generate_records(2000, 50, noise=0.25, seed=3)
+    wrong = [r for r in train if not check_answer(r["task"], r["messages"][1]["content"])]
+    assert 0.2 < len(wrong) / len(train) < 0.3
+    assert all("fault" in r["task"] for r in wrong) and sum("fault" in r["task"] for r in train) == len(wrong)
+    assert all(check_answer(r["task"], r["messages"][1]["content"]) for r in held)
+    clean, _ = tasks.generate_records(2000, 50, seed=3)
+    assert [r["messages"][0] for r in clean] == [r["messages"][0] for r in train]  # the same problems

@@ -1,0 +1,62 @@
+"""The eval stage (`kind: eval`): run a model on environments and report, per environment,
+reward, pass@k, lengths, tool use and token counts.
+
+    python -m ptrain recipe=eval model=hf model.hf_path=DIR env=countdown
+    stages: [{name: sft, kind: sft}, {name: eval, kind: eval}]      # ends any recipe
+
+It trains nothing: its metrics go to metrics.jsonl (step 0) and DONE.json, every episode to
+audit.jsonl, and a later stage starts from the weights this one evaluated (the pipeline
+looks through eval stages for "previous").
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from ptrain.config import RunConfig
+from ptrain.stages.common import ensure_base_model, load_model, stage_mesh, tokenizer_for
+
+
+def run_eval_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict:
+    """Evaluate the model at init_path (None: the embedded one) on the stage's environments."""
+    from ptrain.checkpoint import mark_done
+    from ptrain.data.tokenizer import stop_token_ids
+    from ptrain.envs.audit import AuditLog
+    from ptrain.envs.registry import make_env
+    from ptrain.metrics import MetricsLogger
+    from ptrain.rollout.local import LocalEngine
+    from ptrain.stages.common import rules_of
+    from ptrain.stages.env_eval import evaluate_envs
+
+    t_start = time.time()
+    stage = run.stages[0]
+    tokenizer = tokenizer_for(run, init_path)
+    mesh = stage_mesh(run)
+    model = load_model(run, init_path or ensure_base_model(run, tokenizer), mesh, tokenizer)
+    configs = [run.envs[n] for n in (stage.envs or sorted(run.envs))]
+    envs = {e.env_name: make_env(e, tokenizer=tokenizer) for e in configs}
+    ro, cfg = run.rollout, run.algo.eval
+    engine = LocalEngine(
+        model,
+        max_running_requests=ro.max_running_requests,
+        context_length=ro.context_length or model.cfg.max_seq_len,
+        mesh=mesh,
+        rules=tuple(rules_of(run)),
+        eos_token_ids=stop_token_ids(tokenizer),
+        decode_steps=ro.decode_steps,
+        model_path=init_path,
+    )
+    logger = MetricsLogger(run.logging, stage_dir, total_steps=1, start_step=0, name=f"eval {stage.name}")
+    audit = AuditLog(os.path.join(stage_dir, "audit.jsonl"))
+    try:
+        metrics = evaluate_envs(envs, engine, cfg, audit=audit)
+        logger.log(0, metrics, prefix="eval")
+    finally:
+        engine.close()
+        audit.close()
+        logger.close()
+    summary = {f"eval/{k}": v for k, v in metrics.items()}
+    summary.update(stage=stage.name, model=init_path or "embedded", wall_time_s=round(time.time() - t_start, 1))
+    mark_done(stage_dir, summary)
+    return summary

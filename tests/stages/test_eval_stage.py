@@ -1,0 +1,60 @@
+"""The eval stage: a model on environments, per-environment metrics and an audit log, as a
+user launches it; a stage after it starts from the weights it evaluated."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ptrain.config import RunConfig, StageConfig
+from ptrain.pipeline import initial_weights, stage_dir
+
+TINY_MODEL = [
+    "model.d_model=64",
+    "model.n_layers=1",
+    "model.n_heads=2",
+    "model.n_kv_heads=1",
+    "model.head_dim=32",
+    "model.d_ff=128",
+    "model.max_seq_len=256",
+    "data.tokenizer_vocab_size=300",
+]
+
+
+def test_previous_looks_through_eval_stages(tmp_path):
+    run = RunConfig(
+        run_dir=str(tmp_path),
+        stages=[StageConfig(name="sft"), StageConfig(name="check", kind="eval"), StageConfig(name="rl", kind="grpo")],
+    )
+    sft_export = os.path.join(stage_dir(run, "sft"), "export")
+    assert initial_weights(run, 1) == sft_export and initial_weights(run, 2) == sft_export
+
+
+@pytest.mark.slow
+def test_eval_stage_reports_every_environment(tmp_path):
+    args = [
+        "recipe=eval",
+        "env=[countdown,arithmetic]",
+        "envs.countdown.n_eval=3",
+        "envs.arithmetic.n_eval=3",
+        "algo.eval.samples=2",
+        "algo.eval.max_new_tokens=8",
+        "rollout.max_running_requests=8",
+        "logging.console=false",
+        f"run_dir={tmp_path}",
+        *TINY_MODEL,
+    ]
+    out = subprocess.run([sys.executable, "-m", "ptrain", *args], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    done = json.load(open(tmp_path / "stages" / "eval" / "DONE.json"))
+    for env in ("countdown", "arithmetic"):
+        for key in ("pass@1", "reward", "response_length", "tokens_output", "sampled/pass@1", "sampled/accuracy"):
+            assert f"eval/{env}/{key}" in done, (env, key, sorted(done))
+    audit = [json.loads(line) for line in open(tmp_path / "stages" / "eval" / "audit.jsonl")]
+    assert len(audit) == 2 * 3 * (1 + 2)  # envs x tasks x (greedy + 2 samples)
+    assert {r["decoding"] for r in audit} == {"greedy", "sampled"}
+    bad = subprocess.run([sys.executable, "-m", "ptrain", "recipe=eval", f"run_dir={tmp_path}/none"],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert bad.returncode == 2 and "env=countdown" in bad.stderr
