@@ -440,7 +440,8 @@ class LocalEngine(EngineBase):
         def request_swap():
             if mode == "abort":
                 self._abort(None, "aborted for a weight update", queued=False)
-            if mode == "in_place" or not any(self._row_state == ACTIVE):
+            # Paused, nothing decodes: a drain would never end, so the swap happens now.
+            if mode == "in_place" or self._paused or not any(self._row_state == ACTIVE):
                 self._swap(params, model_state, version)
                 done.set_result(version)
             else:
