@@ -4,7 +4,7 @@
 
 Flags carry `python -m sglang.launch_server`'s names where SGLang has them (--model-path,
 --tokenizer-path, --host, --port, --context-length, --max-running-requests,
---served-model-name, --tp-size, --dtype, --weight-version, --chat-template,
+--served-model-name, --tp-size, --dtype, --weight-version, --random-seed, --chat-template,
 --tool-call-parser, --skip-tokenizer-init, --skip-server-warmup, --log-level,
 --log-requests), so a user swaps one command for the other. `--tp-size N` shards the model
 over N local devices on the mesh's tensor axis. The server stops on SIGTERM or Ctrl-C after
@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype", default="auto", choices=DTYPES, help="compute dtype (auto: float32, the trainer's log-probs)"
     )
     p.add_argument("--weight-version", default="default", help="version name of the weights loaded at start")
+    p.add_argument(
+        "--random-seed", type=int, default=0, help="seeds the sampling of requests without sampling_seed (default 0)"
+    )
     p.add_argument("--chat-template", default=None, help="a Jinja chat-template file (default: the tokenizer's)")
     p.add_argument(
         "--tool-call-parser",

@@ -37,7 +37,16 @@ from starlette.routing import Route
 
 from ptrain.rollout import sglang_wire as wire
 from ptrain.rollout.protocol import GenerateRequest, RequestError
-from ptrain.rollout.server import Finished, Frontend, HTTPError, Job, json_response, parse_stops, read_json
+from ptrain.rollout.server import (
+    Finished,
+    Frontend,
+    HTTPError,
+    Job,
+    json_response,
+    parse_stops,
+    read_json,
+    until_done_or_gone,
+)
 
 OWNED_BY = "ptrain"
 OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0}
@@ -407,8 +416,6 @@ async def completions(request: Request) -> Response:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    from ptrain.rollout.server import until_done_or_gone
-
     results = await until_done_or_gone(request, job)
     if results is None:
         return Response(status_code=499)
@@ -757,8 +764,6 @@ async def chat_completions(request: Request) -> Response:
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
-
-    from ptrain.rollout.server import until_done_or_gone
 
     results = await until_done_or_gone(request, job)
     if results is None:

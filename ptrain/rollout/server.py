@@ -220,23 +220,23 @@ class Job:
                 self.front.track(request.rid, future)
                 future.add_done_callback(self._wake)
                 self.futures.append(future)
-        except BaseException:
+        except RequestError:
             self.abort()
             raise
+        except Exception as e:  # a closed or failed engine: the server cannot serve now
+            self.abort()
+            raise HTTPError(503, f"the engine cannot take requests: {e}") from None
 
     def _wake(self, _future) -> None:
         self.front.last_progress = time.monotonic()
         self.loop.call_soon_threadsafe(self.changed.set)
 
-    def _updater(self, i: int) -> Callable[[list[Sample]], None]:
-        front = self.front
+    def _updater(self, i: int) -> Callable[[list[Sample]], None] | None:
+        # No callback unless snapshots are needed: the engine builds every sample of the
+        # request for each call, which costs the engine thread time on long outputs.
         if not (self.watch or self.stops[i]):
-
-            def note_progress(_samples: list[Sample]) -> None:
-                front.last_progress = time.monotonic()
-
-            return note_progress
-        loop = self.loop
+            return None
+        front, loop = self.front, self.loop
 
         def on_update(samples: list[Sample]) -> None:
             front.last_progress = time.monotonic()
@@ -542,6 +542,15 @@ class Frontend:
             template = getattr(self.detok.tokenizer, "chat_template", None)
         return "qwen25" if isinstance(template, str) and "<tool_call>" in template else None
 
+    def output_tokens(self) -> int | None:
+        """The engine's count of tokens generated so far, where it keeps one (LocalEngine.stats)."""
+        stats = getattr(self.engine, "stats", None)
+        return stats.get("output_tokens") if isinstance(stats, dict) else None
+
+    def is_paused(self) -> bool:
+        """Generation is paused (/pause_generation), as the engine reports it."""
+        return bool(self.engine.info().get("paused", self.paused))
+
     def load(self) -> dict[str, int]:
         load = self.engine.load()
         return {"running": int(load.get("running", 0)), "queued": int(load.get("queued", 0))}
@@ -571,7 +580,7 @@ class Frontend:
                     "weight_version": self.engine.weight_version,
                     "num_running_reqs": load["running"],
                     "num_waiting_reqs": load["queued"],
-                    "paused": self.paused,
+                    "paused": self.is_paused(),
                 }
             ],
         }
@@ -689,13 +698,14 @@ async def health_generate(request: Request) -> Response:
     front = _front(request)
     if not front.ready or front.draining:
         return Response(status_code=503)
-    if front.paused:
+    if front.is_paused():
         return Response(status_code=200)
     tic = time.monotonic()
+    tokens = front.output_tokens()
     rid = f"{HEALTH_CHECK_RID_PREFIX}_{uuid.uuid4().hex}"
     probe = GenerateRequest(input_ids=(0,), sampling=SamplingParams(max_new_tokens=1, temperature=0.0), rid=rid)
     try:
-        future = front.engine.submit(probe, on_update=lambda _s: setattr(front, "last_progress", time.monotonic()))
+        future = front.engine.submit(probe)
     except Exception as e:
         log.error("health check could not submit: %s", e)
         return Response(status_code=503)
@@ -705,7 +715,7 @@ async def health_generate(request: Request) -> Response:
         if done:
             ok = not waiter.exception()
             return Response(status_code=200 if ok else 503)
-        if front.last_progress > tic:
+        if front.last_progress > tic or front.output_tokens() != tokens:
             front.abort_soon(rid)
             return Response(status_code=200)
     front.abort_soon(rid)
@@ -799,7 +809,7 @@ async def update_weights_from_disk(request: Request) -> Response:
         )
     if body["manifest"] is not None:
         raise RequestError("manifest: not supported; the folder's safetensors index is read instead")
-    if front.paused and not body["abort_all_requests"] and front.load()["running"]:
+    if front.is_paused() and not body["abort_all_requests"] and front.load()["running"]:
         raise RequestError(
             "generation is paused with requests still running (retract or in_place), and this engine finishes "
             "them on the old weights before a swap; call /continue_generation first, or pass "
@@ -977,7 +987,7 @@ def serve(args) -> int:
     if args.chat_template:
         with open(args.chat_template, encoding="utf-8") as f:
             chat_template = f.read()
-    engine_kw: dict[str, Any] = {"weight_version": args.weight_version}
+    engine_kw: dict[str, Any] = {"weight_version": args.weight_version, "seed": args.random_seed}
     if args.max_running_requests is not None:
         engine_kw["max_running_requests"] = args.max_running_requests
     if args.context_length is not None:
@@ -991,6 +1001,7 @@ def serve(args) -> int:
         "port": args.port,
         "tp_size": args.tp_size,
         "dtype": args.dtype,
+        "random_seed": args.random_seed,
         "skip_tokenizer_init": args.skip_tokenizer_init,
         "chat_template": args.chat_template,
         "tool_call_parser": args.tool_call_parser,

@@ -18,7 +18,7 @@ from starlette.testclient import TestClient
 from ptrain.models.safetensors_io import SafetensorsFile, save_file
 from ptrain.rollout.local import LocalEngine
 from ptrain.rollout.openai_api import parse_tool_calls
-from ptrain.rollout.protocol import FinishReason, GenerateRequest, SamplingParams
+from ptrain.rollout.protocol import FinishReason, GenerateRequest, Sample, SamplingParams
 from ptrain.rollout.server import Detokenizer, cut_at_stop, held_back, load_tokenizer, make_app
 from tests.rollout import sglang_schema as schema
 from tests.rollout.conftest import CONTEXT, MAX_RUNNING
@@ -485,9 +485,6 @@ def test_openai_routes_want_json_content_type(client):
 def test_stop_cut_and_held_back_text(tokenizer):
     detok = Detokenizer(tokenizer)
     ids = tuple(tokenizer.encode("abc def ghi"))
-    s = GenerateRequest  # noqa: F841 (the sample is built by hand below)
-    from ptrain.rollout.protocol import Sample
-
     sample = Sample("r", 0, (1,), ids, (-1.0,) * len(ids), (-1.0,) * len(ids), FinishReason("abort"), "v")
     cut, stop = cut_at_stop(sample, ["def", "zzz"], detok)
     assert stop == "def" and tokenizer.decode(cut.output_ids).endswith("def")

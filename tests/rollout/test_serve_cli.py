@@ -1,0 +1,75 @@
+"""`python -m ptrain.serve`'s command line: SGLang's flag names, and mistakes that end with
+one message before any model loads."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ptrain.serve import build_parser
+from tests.rollout import sglang_schema as schema
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+OURS_ONLY = {"--max-request-bytes", "--graceful-shutdown-timeout"}
+
+
+def sglang_flags() -> set[str]:
+    """`python -m sglang.launch_server`'s flags: its ServerArgs fields (arg_groups/fields/*.py)
+    and the flags server_args.py spells out."""
+    fields_dir = schema.sglang_file("srt/arg_groups/fields/model.py").parent
+    flags = set()
+    for name in os.listdir(fields_dir):
+        if name.endswith(".py"):
+            for node in ast.walk(ast.parse((fields_dir / name).read_text())):
+                if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                    flags.add("--" + node.target.id.replace("_", "-"))
+    for node in ast.walk(ast.parse(schema.sglang_file("srt/server_args.py").read_text())):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("--"):
+            flags.add(node.value)
+    return flags
+
+
+def test_flags_are_sglangs_where_sglang_has_them():
+    ours = {s for a in build_parser()._actions for s in a.option_strings if s.startswith("--") and s != "--help"}
+    required = {"--model-path", "--host", "--port", "--context-length", "--max-running-requests"}
+    assert required | {"--served-model-name", "--tp-size"} <= ours
+    assert sorted(ours - OURS_ONLY - sglang_flags()) == []
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model-path", "/no/such/folder"], "no config.json there"),
+        (["--model-path", "{model}", "--tp-size", "0"], "--tp-size: must be >= 1"),
+        (["--model-path", "{model}", "--chat-template", "/no/such.jinja"], "no such file"),
+        (["--model-path", "{model}", "--dtype", "int4"], "invalid choice"),
+        (["--port", "30000"], "--model-path"),
+    ],
+)
+def test_command_line_mistakes_exit_2_with_one_message(argv, message, served_model_dir):
+    argv = [a.replace("{model}", served_model_dir) for a in argv]
+    out = subprocess.run(
+        [sys.executable, "-m", "ptrain.serve", *argv], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_a_folder_without_tokenizer_says_what_to_pass(tmp_path, served_model_dir):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for name in os.listdir(served_model_dir):
+        if not name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            os.symlink(os.path.join(served_model_dir, name), folder / name)
+    out = subprocess.run(
+        [sys.executable, "-m", "ptrain.serve", "--model-path", str(folder)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert out.returncode == 1 and "--skip-tokenizer-init" in out.stderr and "Traceback" not in out.stderr, out.stderr
