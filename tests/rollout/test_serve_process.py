@@ -210,6 +210,37 @@ def test_pause_holds_a_running_stream_and_abort_returns_its_partial_tokens(http,
     assert again["meta_info"]["finish_reason"] == {"type": "length", "length": LONG}
 
 
+def test_a_client_that_hangs_up_has_its_request_aborted(http, server):
+    """Generation paused, so the requests wait in the engine's queue; a client that gives up
+    (non-streaming or streaming) takes its request out of the queue with it."""
+    assert http.post("/pause_generation", json={"mode": "retract"}).status_code == 200
+    try:
+
+        def waiting() -> int:
+            return http.get("/v1/loads").json()["loads"][0]["num_waiting_reqs"]
+
+        body = {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 8}}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/generate", json=body, timeout=httpx.Timeout(30, read=1.0))
+        deadline = time.monotonic() + 10
+        while waiting() != 0:
+            assert time.monotonic() < deadline, "the abandoned request stayed queued"
+            time.sleep(0.05)
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            with c.stream("POST", "/generate", json={**body, "stream": True}) as r:
+                assert r.status_code == 200
+                deadline = time.monotonic() + 10
+                while waiting() != 1:
+                    assert time.monotonic() < deadline, "the streamed request never queued"
+                    time.sleep(0.05)
+        deadline = time.monotonic() + 10
+        while waiting() != 0:
+            assert time.monotonic() < deadline, "the abandoned stream stayed queued"
+            time.sleep(0.05)
+    finally:
+        assert http.post("/continue_generation").status_code == 200
+
+
 def test_weight_update_from_disk_swaps_and_a_bad_folder_keeps_the_old_weights(
     http, served_model_dir, other_weights_dir, bad_weights_dir
 ):
@@ -252,6 +283,46 @@ def test_bad_input_over_http_and_the_server_keeps_serving(http):
     assert r.status_code == 400 and "n: must be >= 1" in schema.check_error(r.json())
     assert http.post("/flush_cache").status_code == 200
     post_generate(http, {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
+
+
+def test_the_real_sglang_router_routes_to_the_server(server, http, tmp_path):
+    """sglang-router 0.3.2 in front of the server: it reads /server_info and /model_info,
+    health-checks /health, and forwards /generate and OpenAI requests."""
+    pytest.importorskip("sglang_router", reason="pip install sglang-router==0.3.2")
+    port, metrics = free_port(), free_port()
+    cmd = [
+        sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", server.url, "--port", str(port),
+        "--prometheus-port", str(metrics), "--log-level", "warn",
+    ]  # fmt: skip
+    with open(tmp_path / "router.log", "w") as log:
+        router = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert router.poll() is None, (tmp_path / "router.log").read_text()[-3000:]
+            try:
+                workers = httpx.get(url + "/workers", timeout=5).json()["workers"]
+                if workers and workers[0]["is_healthy"]:
+                    break
+            except (httpx.TransportError, ValueError, KeyError):
+                pass
+            assert time.monotonic() < deadline, "the router never saw a healthy worker"
+            time.sleep(0.5)
+        assert workers[0]["url"] == server.url and workers[0]["metadata"]["served_model_name"] == "tiny"
+        body = {"input_ids": [[5, 6, 7], [8]], "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+        schema.check_generate_request(body)
+        routed = httpx.post(url + "/generate", json=body, timeout=60)
+        assert routed.status_code == 200, routed.text
+        schema.check_generate_response(routed.json(), count=2)
+        direct = post_generate(http, body)
+        assert [x["output_ids"] for x in routed.json()] == [x["output_ids"] for x in direct]
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        answer = httpx.post(url + "/v1/chat/completions", json=chat, timeout=60)
+        assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["role"] == "assistant"
+    finally:
+        router.terminate()
+        router.wait(30)
 
 
 def test_sigterm_drains_requests_in_flight_then_exits(server):
