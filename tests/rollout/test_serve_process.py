@@ -47,17 +47,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(served_model_dir, tmp_path_factory):
-    log_path = str(tmp_path_factory.mktemp("serve") / "server.log")
+def start_server(model_dir: str, log_path: str, *extra: str, env: dict | None = None) -> Server:
+    """`python -m ptrain.serve` on a free loopback port, once /health answers 200."""
     port = free_port()
     cmd = [
-        sys.executable, "-m", "ptrain.serve", "--model-path", served_model_dir, "--port", str(port),
+        sys.executable, "-m", "ptrain.serve", "--model-path", model_dir, "--port", str(port),
         "--max-running-requests", str(MAX_RUNNING), "--context-length", str(CONTEXT),
-        "--served-model-name", "tiny", "--graceful-shutdown-timeout", "30",
+        "--served-model-name", "tiny", "--graceful-shutdown-timeout", "30", *extra,
     ]  # fmt: skip
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     srv = Server(f"http://127.0.0.1:{port}", proc, log_path)
     deadline = time.monotonic() + 600
     while True:
@@ -65,17 +64,22 @@ def server(served_model_dir, tmp_path_factory):
             pytest.fail(f"the server exited with {proc.returncode}:\n{srv.log()}")
         try:
             if httpx.get(srv.url + "/health", timeout=2).status_code == 200:
-                break
+                return srv
         except httpx.TransportError:
             pass
         if time.monotonic() > deadline:
             proc.kill()
             pytest.fail(f"the server did not become healthy:\n{srv.log()}")
         time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def server(served_model_dir, tmp_path_factory):
+    srv = start_server(served_model_dir, str(tmp_path_factory.mktemp("serve") / "server.log"))
     yield srv
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait(30)
+    if srv.proc.poll() is None:
+        srv.proc.kill()
+        srv.proc.wait(30)
 
 
 @pytest.fixture(scope="module")
@@ -220,6 +224,7 @@ def test_a_client_that_hangs_up_has_its_request_aborted(http, server):
             return http.get("/v1/loads").json()["loads"][0]["num_waiting_reqs"]
 
         body = {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 8}}
+        schema.check_generate_request(body)
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(server.url + "/generate", json=body, timeout=httpx.Timeout(30, read=1.0))
         deadline = time.monotonic() + 10
@@ -285,6 +290,32 @@ def test_bad_input_over_http_and_the_server_keeps_serving(http):
     post_generate(http, {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
 
 
+def test_tp_size_shards_the_model_over_the_mesh_tensor_axis(served_model_dir, http, tmp_path):
+    """--tp-size 2 over two host devices: the same greedy tokens and log-probs as one device."""
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"))
+    srv = start_server(served_model_dir, str(tmp_path / "tp.log"), "--tp-size", "2", env=env)
+    try:
+        body = {
+            "input_ids": [[5, 6, 7], [20, 21, 22, 23]],
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+            "return_logprob": True,
+        }
+        schema.check_generate_request(body)
+        with httpx.Client(base_url=srv.url, timeout=120) as c:
+            sharded = c.post("/generate", json=body).json()
+            schema.check_generate_response(sharded, count=2)
+            info = c.get("/server_info").json()
+            assert info["tp_size"] == 2 and c.get("/v1/loads").json()["num_accelerators"] == 2
+        single = post_generate(http, body)
+        for a, b in zip(sharded, single):
+            assert a["output_ids"] == b["output_ids"]
+            lp = [e[0] for e in a["meta_info"]["output_token_logprobs"]]
+            assert lp == pytest.approx([e[0] for e in b["meta_info"]["output_token_logprobs"]], abs=1e-4)
+    finally:
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(60) == 0, srv.log()
+
+
 def test_the_real_sglang_router_routes_to_the_server(server, http, tmp_path):
     """sglang-router 0.3.2 in front of the server: it reads /server_info and /model_info,
     health-checks /health, and forwards /generate and OpenAI requests."""
@@ -329,6 +360,8 @@ def test_sigterm_drains_requests_in_flight_then_exits(server):
     """Last in this module: it stops the server."""
     sp = {"max_new_tokens": LONG, "temperature": 0, "ignore_eos": True}
     bodies = [{"input_ids": [30 + i, 31, 32], "sampling_params": sp} for i in range(4 * MAX_RUNNING)]
+    for b in bodies:
+        schema.check_generate_request(b)
     answers: list = []
 
     async def run():

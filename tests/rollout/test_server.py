@@ -246,6 +246,7 @@ def _wait(predicate, timeout=30.0):
 
 def test_pause_holds_requests_flush_is_refused_and_abort_ends_them(client):
     body = {"input_ids": PROMPTS[2], "sampling_params": GREEDY, "rid": "held"}
+    schema.check_generate_request(body)
     assert client.post("/pause_generation", json={"mode": "in_place"}).json()["status"] == "ok"
     assert client.get("/health_generate").status_code == 200  # paused on purpose, not stuck
     waiting, box = _in_thread(lambda: client.post("/generate", json=body))
@@ -265,21 +266,26 @@ def test_pause_holds_requests_flush_is_refused_and_abort_ends_them(client):
     assert waiting.is_alive()
     assert client.post("/continue_generation", json={}).json()["status"] == "ok"
     waiting.join(30)
+    schema.check_generate_response(box["result"].json())
     assert box["result"].json()["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
 
 
 def test_abort_all_and_batch_prefix_abort(client):
     client.post("/pause_generation", json={"mode": "retract"})
     batch = {"input_ids": PROMPTS[:2], "sampling_params": GREEDY, "rid": "grp"}
+    schema.check_generate_request(batch)
     first, box1 = _in_thread(lambda: client.post("/generate", json=batch))
     other, box2 = _in_thread(lambda: client.post("/generate", json={"input_ids": [9], "sampling_params": GREEDY}))
     _wait(lambda: client.get("/v1/loads").json()["loads"][0]["num_waiting_reqs"] == 3)
     client.post("/abort_request", json={"rid": "grp"})  # SGLang matches rids by prefix: grp_0, grp_1
     first.join(30)
+    schema.check_generate_response(box1["result"].json(), count=2)
     assert [x["meta_info"]["finish_reason"]["type"] for x in box1["result"].json()] == ["abort", "abort"]
     assert other.is_alive()
+    schema.check_abort_request({"abort_all": True})
     client.post("/abort_request", json={"abort_all": True})
     other.join(30)
+    schema.check_generate_response(box2["result"].json())
     assert box2["result"].json()["meta_info"]["finish_reason"]["type"] == "abort"
     client.post("/continue_generation")
 
