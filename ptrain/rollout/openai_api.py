@@ -38,10 +38,11 @@ from starlette.routing import Route
 from ptrain.rollout import sglang_wire as wire
 from ptrain.rollout.protocol import GenerateRequest, RequestError
 from ptrain.rollout.server import (
-    Finished,
     Frontend,
     HTTPError,
     Job,
+    SampleView,
+    held_back,
     json_response,
     parse_stops,
     read_json,
@@ -168,7 +169,7 @@ def _include_usage(body: dict) -> bool:
     return bool(options.get("include_usage"))
 
 
-def _usage(views: Sequence[Finished], n: int) -> dict[str, Any]:
+def _usage(views: Sequence[SampleView], n: int) -> dict[str, Any]:
     prompt = sum(views[i].sample.prompt_tokens for i in range(0, len(views), n))
     cached = sum(views[i].sample.cached_tokens for i in range(0, len(views), n))
     completion = sum(v.sample.completion_tokens for v in views)
@@ -181,7 +182,7 @@ def _usage(views: Sequence[Finished], n: int) -> dict[str, Any]:
     }
 
 
-def _metadata(views: Sequence[Finished]) -> dict[str, Any]:
+def _metadata(views: Sequence[SampleView]) -> dict[str, Any]:
     meta = wire.meta_info(views[0].sample)
     out = {"weight_version": meta["weight_version"]}
     if "weight_versions" in meta:
@@ -298,7 +299,7 @@ def completion_prompts(prompt: Any, front: Frontend) -> tuple[list[list[int]], l
     return prompts, list(texts)
 
 
-def _completion_logprobs(front: Frontend, views: Sequence[Finished], echo_prompt: bool) -> dict[str, Any]:
+def _completion_logprobs(front: Frontend, views: Sequence[SampleView], echo_prompt: bool) -> dict[str, Any]:
     tokens: list[str] = []
     values: list[float | None] = []
     for view in views:
@@ -347,7 +348,7 @@ async def completions(request: Request) -> Response:
         echo_texts = texts or [front.detok.text(p) if front.detok else "" for p in prompts]
     created = int(time.time())
 
-    def choice(i: int, view: Finished, *, text: str, first: bool) -> dict[str, Any]:
+    def choice(i: int, view: SampleView, *, text: str) -> dict[str, Any]:
         finish = view.finish_reason
         c: dict[str, Any] = {
             "index": i * n + view.sample.index,
@@ -366,7 +367,7 @@ async def completions(request: Request) -> Response:
         async def events() -> AsyncIterator[bytes]:
             sent_text: dict[tuple[int, int], int] = {}
             sent_tokens: dict[tuple[int, int], int] = {}
-            finals: list[Finished] = []
+            finals: dict[tuple[int, int], SampleView] = {}
             try:
                 async for i, view, final in job.updates():
                     key = (i, view.sample.index)
@@ -376,7 +377,7 @@ async def completions(request: Request) -> Response:
                     if first and echo_texts is not None:
                         delta = echo_texts[i] + delta
                     sent_text[key] = len(text)
-                    c = choice(i, view, text=delta, first=first)
+                    c = choice(i, view, text=delta)
                     start = sent_tokens.get(key, 0)
                     if logprobs is not None:
                         part = _completion_logprobs(front, [view], echo and first)
@@ -389,7 +390,7 @@ async def completions(request: Request) -> Response:
                             c.pop("prompt_token_ids")
                     sent_tokens[key] = len(view.sample.output_ids)
                     if final:
-                        finals.append(view)
+                        finals[key] = view
                     yield _sse(
                         {
                             "id": response_id,
@@ -407,7 +408,7 @@ async def completions(request: Request) -> Response:
                             "created": created,
                             "model": model,
                             "choices": [],
-                            "usage": _usage(sorted(finals, key=lambda v: v.sample.index), n),
+                            "usage": _usage([finals[k] for k in sorted(finals)], n),
                         }
                     )
             except Exception as e:
@@ -424,7 +425,7 @@ async def completions(request: Request) -> Response:
     for i, vs in enumerate(results):
         for view in vs:
             text = (echo_texts[i] if echo_texts else "") + (view.text or "")
-            c = choice(i, view, text=text, first=True)
+            c = choice(i, view, text=text)
             if logprobs is not None:
                 c["logprobs"] = _completion_logprobs(front, [view], echo)
             choices.append(c)
@@ -678,7 +679,7 @@ async def chat_completions(request: Request) -> Response:
     parse_tools = tools is not None and front.effective_tool_call_parser() is not None
     created = int(time.time())
 
-    def message_of(view: Finished) -> tuple[dict[str, Any], str | None]:
+    def message_of(view: SampleView) -> tuple[dict[str, Any], dict | None]:
         text = view.text or ""
         finish = None if view.finish_reason is None else dict(view.finish_reason)
         calls: list[dict[str, Any]] = []
@@ -695,9 +696,9 @@ async def chat_completions(request: Request) -> Response:
 
         async def events() -> AsyncIterator[bytes]:
             sent: dict[int, int] = {}
-            finals: list[Finished] = []
+            finals: list[SampleView] = []
 
-            def chunk(index: int, delta: dict, finish: dict | None, view: Finished | None = None) -> bytes:
+            def chunk(index: int, delta: dict, finish: dict | None) -> bytes:
                 c: dict[str, Any] = {
                     "index": index,
                     "delta": delta,
@@ -730,25 +731,18 @@ async def chat_completions(request: Request) -> Response:
                             delta["content"] = text[sent[j] :]
                         yield chunk(j, delta, finish)
                         continue
-                    # hold back text from a tool-call opening on (or a prefix of one at the end)
+                    # tool calls go out whole in the final chunk: hold back text from a
+                    # <tool_call> opening on, or what may be the start of one
                     visible = text
                     if parse_tools:
                         at = text.find(TOOL_CALL_OPEN)
-                        if at >= 0:
-                            visible = text[:at]
-                        else:
-                            for k in range(len(TOOL_CALL_OPEN) - 1, 0, -1):
-                                if text.endswith(TOOL_CALL_OPEN[:k]):
-                                    visible = text[:-k]
-                                    break
+                        visible = text[:at] if at >= 0 else text[: len(text) - held_back(text, [TOOL_CALL_OPEN])]
                     if len(visible) > sent[j]:
                         c = chunk(j, {"content": visible[sent[j] :]}, None)
                         sent[j] = len(visible)
                         yield c
                 if include_usage and finals:
                     usage = _usage(sorted(finals, key=lambda v: v.sample.index), len(finals))
-                    usage["prompt_tokens"] = finals[0].sample.prompt_tokens
-                    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
                     yield _sse(
                         {
                             "id": rid,

@@ -178,8 +178,9 @@ def parse_stops(sampling: Any, where: str, has_tokenizer: bool) -> tuple[dict, t
 
 
 @dataclass
-class Finished:
-    """A sample as the client sees it: stop-string cut applied, its text, its finish_reason object."""
+class SampleView:
+    """A sample as the client sees it: its text and its finish_reason object (None while it
+    runs), with the stop-string cut applied once it has finished."""
 
     sample: Sample
     text: str | None
@@ -201,9 +202,10 @@ class Job:
     futures: list[concurrent.futures.Future] = field(default_factory=list)
     latest: list[list[Sample] | None] = field(default_factory=list)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
-    matched: dict[tuple[int, int], str] = field(default_factory=dict)
+    stopped: set[tuple[int, int]] = field(default_factory=set)
+    """(request, sample) pairs whose text reached a stop string (aborted, cut when they end)."""
     _checked: dict[tuple[int, int], int] = field(default_factory=dict)
-    _finished: dict[tuple[int, int], Finished] = field(default_factory=dict)
+    _finished: dict[tuple[int, int], SampleView] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         count = len(self.requests)
@@ -256,13 +258,13 @@ class Job:
         longest = max(len(s) for s in stops)
         for s in samples:
             key = (i, s.index)
-            if s.finish_reason is not None or key in self.matched:
+            if s.finish_reason is not None or key in self.stopped:
                 continue
             start = max(0, self._checked.get(key, 0) - longest - 2)
             self._checked[key] = len(s.output_ids)
             tail = self.front.detok.text(s.output_ids[start:], skip_special_tokens=False)
             if any(stop in tail for stop in stops):
-                self.matched[key] = "?"
+                self.stopped.add(key)
                 self.front.abort_soon(f"{self.requests[i].rid}-{s.index}")
 
     def abort(self) -> None:
@@ -271,7 +273,7 @@ class Job:
             if not future.done():
                 self.front.abort_soon(request.rid)
 
-    def finish(self, i: int, sample: Sample) -> Finished:
+    def finish(self, i: int, sample: Sample) -> SampleView:
         """The client's view of a finished sample of request i (memoised, so stream and body agree)."""
         key = (i, sample.index)
         done = self._finished.get(key)
@@ -291,11 +293,11 @@ class Job:
                     text = text[:at]
             else:
                 text = detok.text(sample.output_ids, self.skip_special_tokens[i])
-        done = Finished(sample, text, finish)
+        done = SampleView(sample, text, finish)
         self._finished[key] = done
         return done
 
-    def partial(self, i: int, sample: Sample) -> Finished:
+    def partial(self, i: int, sample: Sample) -> SampleView:
         """A running sample's view for a stream chunk (not memoised); text that may be the start
         of a stop string, or a character still missing bytes, is held back until the next tokens."""
         detok = self.front.detok
@@ -305,9 +307,9 @@ class Job:
             text = text.rstrip("\ufffd")
         if text and self.stops[i]:
             text = text[: len(text) - held_back(text, self.stops[i])]
-        return Finished(sample, text, None)
+        return SampleView(sample, text, None)
 
-    async def results(self) -> list[list[Finished]]:
+    async def results(self) -> list[list[SampleView]]:
         """Wait for every request; a cancelled wait (client gone) aborts them."""
         try:
             outs = await asyncio.gather(*(wait_future(f) for f in self.futures))
@@ -316,7 +318,7 @@ class Job:
             raise
         return [[self.finish(i, s) for s in samples] for i, samples in enumerate(outs)]
 
-    async def updates(self) -> AsyncIterator[tuple[int, Finished, bool]]:
+    async def updates(self) -> AsyncIterator[tuple[int, SampleView, bool]]:
         """(request index, sample view, final) whenever a sample grows or ends, until all end."""
         emitted: dict[tuple[int, int], int] = {}
         final: set[tuple[int, int]] = set()
@@ -337,7 +339,7 @@ class Job:
                     snapshot, self.latest[i] = self.latest[i], None
                     for s in snapshot or ():
                         key = (i, s.index)
-                        if key in final or key in self.matched:
+                        if key in final or key in self.stopped:
                             continue
                         if s.finish_reason is not None:
                             final.add(key)
@@ -601,7 +603,7 @@ async def _watch_disconnect(receive) -> None:
             return
 
 
-async def until_done_or_gone(request: Request, job: Job) -> list[list[Finished]] | None:
+async def until_done_or_gone(request: Request, job: Job) -> list[list[SampleView]] | None:
     """The job's results, or None (with the job aborted) if the client disconnects first."""
     results = asyncio.ensure_future(job.results())
     gone = asyncio.ensure_future(_watch_disconnect(request.receive))
@@ -615,7 +617,7 @@ async def until_done_or_gone(request: Request, job: Job) -> list[list[Finished]]
     return None
 
 
-def _item(parsed: wire.ParsedGenerate, front: Frontend, i: int, view: Finished, index: int | None) -> dict:
+def _item(parsed: wire.ParsedGenerate, front: Frontend, i: int, view: SampleView, index: int | None) -> dict:
     item = wire.generate_item(
         view.sample,
         text=view.text,
