@@ -50,6 +50,7 @@ ADVANTAGE_BASELINES = ("mean", "leave_one_out")
 GRPO_MODES = ("sync", "async")
 ROLLOUT_KINDS = ("local", "sglang")
 WEIGHT_DTYPES = ("bfloat16", "float32")
+WEIGHT_PUSH_MODES = ("stage", "drain", "abort", "pause")
 
 # --- data (data.*), used by ptrain.data
 SOURCE_KINDS = ("generated", "jsonl", "parquet", "arrow")

@@ -353,14 +353,45 @@ def _validate_values(run: RunConfig, where: str = "") -> None:
     c(ro.decode_steps >= 1, "rollout.decode_steps", f"must be >= 1, got {ro.decode_steps}")
     c(ro.weight_dtype in C.WEIGHT_DTYPES, "rollout.weight_dtype", f"pass {one_of(C.WEIGHT_DTYPES)}")
     c(ro.keep_weight_versions >= 1, "rollout.keep_weight_versions", f"must be >= 1, got {ro.keep_weight_versions}")
-    for key in ("request_timeout_s", "unhealthy_timeout_s"):
+    for key in ("request_timeout_s", "connect_timeout_s", "unhealthy_timeout_s", "health_interval_s",
+                "health_timeout_s", "probe_backoff_s", "weight_push_timeout_s"):  # fmt: skip
         c(getattr(ro, key) > 0, f"rollout.{key}", f"must be > 0, got {getattr(ro, key)}")
+    for key in ("max_retries", "weight_push_retries", "retry_backoff_s"):
+        c(getattr(ro, key) >= 0, f"rollout.{key}", f"must be >= 0, got {getattr(ro, key)}")
+    for key in ("per_worker_concurrency", "export_writers"):
+        c(getattr(ro, key) >= 1, f"rollout.{key}", f"must be >= 1, got {getattr(ro, key)}")
+    c(ro.probe_backoff_max_s >= ro.probe_backoff_s, "rollout.probe_backoff_max_s",
+      f"must be >= probe_backoff_s={ro.probe_backoff_s}, got {ro.probe_backoff_max_s}")  # fmt: skip
+    c(ro.weight_push_mode in C.WEIGHT_PUSH_MODES, "rollout.weight_push_mode",
+      f"pass {one_of(C.WEIGHT_PUSH_MODES)}, got '{ro.weight_push_mode}'")  # fmt: skip
+    for i, url in enumerate(ro.urls):
+        c(_is_http_url(url), f"rollout.urls[{i}]", f"must be http://host:port (or https://), got '{url}'")
+    c(ro.router_url is None or _is_http_url(ro.router_url), "rollout.router_url",
+      f"must be null or http://host:port (or https://), got '{ro.router_url}'")  # fmt: skip
+    c(len(set(ro.urls)) == len(ro.urls), "rollout.urls", f"lists a worker twice: {list(ro.urls)}")
+    c(ro.kind != "sglang" or ro.urls or ro.router_url, "rollout.urls",
+      "rollout=sglang needs the fleet: pass rollout.router_url=http://host:port (an sglang-router) or "
+      "rollout.urls=[http://host:port,...] (the workers); tools/launch_fleet.py starts one")  # fmt: skip
     for f in dataclasses.fields(run.cost):
         c(getattr(run.cost, f.name) >= 0, f"cost.{f.name}", f"a price must be >= 0, got {getattr(run.cost, f.name)}")
     try:
         validate_data_config(run.data)
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(f"{where}{e}") from None
+
+
+def _is_http_url(url: Any) -> bool:
+    """An http(s)://host[:port] URL with nothing after an optional trailing slash."""
+    from urllib.parse import urlsplit
+
+    if not isinstance(url, str):
+        return False
+    parts = urlsplit(url)
+    try:
+        parts.port  # noqa: B018 - raises ValueError on a malformed port
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname) and parts.path in ("", "/") and not parts.query
 
 
 def resolve_mesh_shape(mesh: MeshConfig, n_devices: int) -> tuple[int, int, int, int]:

@@ -1,0 +1,213 @@
+"""Weight export for the fleet, on a real tiny model: the folder loads like a save_hf folder
+(float32 byte for byte, bfloat16 as the rounded weights), the manifest catches damage, shards
+written by two "hosts" in parallel make the same folder, a version folder appears only when
+complete (an export SIGKILLed halfway leaves nothing a worker could load), and pruning keeps
+the newest versions."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from ptrain.models import Decoder, load_hf, save_hf
+from ptrain.models.safetensors_io import open_folder
+from ptrain.rollout.weight_sync import (
+    WeightSyncError,
+    export_weights,
+    list_versions,
+    prune_versions,
+    read_manifest,
+    version_folder,
+)
+from ptrain.train.state import split_model
+from tests.rollout.conftest import TINY
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CFG = dataclasses.replace(TINY, vocab_size=300)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Decoder(CFG, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def parts(model):
+    _, params, model_state = split_model(model)
+    return params, model_state
+
+
+def tensors(folder: str) -> dict[str, np.ndarray]:
+    files = open_folder(folder)
+    return {name: np.array(f.get(name)) for name, f in files.items()}
+
+
+def test_float32_export_equals_save_hf_and_loads_back(model, parts, tmp_path):
+    params, model_state = parts
+    result = export_weights(CFG, params, model_state, str(tmp_path / "w"), "1", dtype="float32")
+    assert result.path == version_folder(str(tmp_path / "w"), "1") and os.path.isdir(result.path)
+    save_hf(model, str(tmp_path / "ref"))
+    ours, ref = tensors(result.path), tensors(str(tmp_path / "ref"))
+    assert sorted(ours) == sorted(ref)
+    for name in ref:
+        assert ours[name].dtype == ref[name].dtype and np.array_equal(ours[name], ref[name]), name
+    manifest = read_manifest(result.path, check_data=True)
+    assert manifest["version"] == "1" and manifest["dtype"] == "float32"
+    assert set(manifest["tensors"]) == set(ref) and manifest["total_bytes"] == result.bytes
+    loaded = split_model(load_hf(result.path))[1]
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_bfloat16_export_holds_the_rounded_weights(parts, tmp_path):
+    params, model_state = parts
+    result = export_weights(CFG, params, model_state, str(tmp_path), "7", dtype="bfloat16")
+    ours = tensors(result.path)
+    ref = tensors(export_weights(CFG, params, model_state, str(tmp_path), "8", dtype="float32").path)
+    for name, arr in ours.items():
+        assert arr.dtype == ml_dtypes.bfloat16, name
+        np.testing.assert_array_equal(arr, ref[name].astype(ml_dtypes.bfloat16))
+    assert result.bytes * 2 == read_manifest(version_folder(str(tmp_path), "8"))["total_bytes"]
+
+
+def test_sharded_export_has_an_index_and_loads(parts, tmp_path):
+    params, model_state = parts
+    result = export_weights(CFG, params, model_state, str(tmp_path), "s", dtype="float32", max_shard_bytes=40_000)
+    assert len(result.files) > 2 and os.path.isfile(os.path.join(result.path, "model.safetensors.index.json"))
+    read_manifest(result.path, check_data=True)
+    loaded = split_model(load_hf(result.path))[1]
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_two_hosts_write_their_own_shards_into_one_folder(parts, tmp_path):
+    params, model_state = parts
+    barrier = threading.Barrier(2)
+    results, errors = {}, []
+
+    def host(i: int) -> None:
+        try:
+            results[i] = export_weights(
+                CFG, params, model_state, str(tmp_path / "multi"), "3", dtype="float32", max_shard_bytes=60_000,
+                process_index=i, process_count=2, barrier=lambda _name: barrier.wait(60),
+            )  # fmt: skip
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=host, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    folder = results[0].path
+    manifest = read_manifest(folder, check_data=True)
+    shards = sorted(manifest["files"])
+    assert results[0].bytes + results[1].bytes == manifest["total_bytes"] and len(shards) >= 2
+    assert not [n for n in os.listdir(folder) if n.startswith("host-")], "per-host manifests must be merged away"
+    single = tensors(export_weights(CFG, params, model_state, str(tmp_path / "one"), "3", dtype="float32").path)
+    multi = tensors(folder)
+    assert sorted(multi) == sorted(single)
+    for name in single:
+        np.testing.assert_array_equal(multi[name], single[name])
+
+
+def test_the_manifest_catches_a_damaged_folder(parts, tmp_path):
+    params, model_state = parts
+    folder = export_weights(CFG, params, model_state, str(tmp_path), "1", dtype="float32").path
+    manifest = read_manifest(folder)
+    name, entry = next(iter(manifest["tensors"].items()))
+    path = os.path.join(folder, entry["file"])
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+    with open(path, "r+b") as f:  # flip one byte of the first tensor
+        f.seek(8 + header_len + entry["data_offsets"][0])
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    read_manifest(folder)  # sizes and headers still agree
+    with pytest.raises(WeightSyncError, match=f"{name} has sha256"):
+        read_manifest(folder, check_data=True)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 4)
+    with pytest.raises(WeightSyncError, match="the manifest says"):
+        read_manifest(folder)
+    os.remove(os.path.join(folder, "manifest.json"))
+    with pytest.raises(WeightSyncError, match="not a complete ptrain weight export"):
+        read_manifest(folder)
+
+
+def test_bad_versions_and_dtypes_are_refused_before_writing(parts, tmp_path):
+    params, model_state = parts
+    for bad in ("", "../x", "a/b", ".hidden"):
+        with pytest.raises(WeightSyncError, match="cannot name a folder"):
+            export_weights(CFG, params, model_state, str(tmp_path), bad)
+    with pytest.raises(WeightSyncError, match="pass one of"):
+        export_weights(CFG, params, model_state, str(tmp_path), "1", dtype="float16")
+    assert not os.listdir(tmp_path)
+
+
+KILL_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys
+    sys.path.insert(0, {root!r})
+    from flax import nnx
+    from ptrain.models import Decoder
+    from ptrain.rollout.weight_sync import export_weights
+    from ptrain.train.state import split_model
+    from tests.rollout.test_weight_sync import CFG
+    _, params, state = split_model(Decoder(CFG, rngs=nnx.Rngs(5)))
+    written = []
+
+    def die_halfway(name):
+        written.append(name)
+        if len(written) == 6:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    export_weights(CFG, params, state, sys.argv[1], sys.argv[2], dtype="float32", on_tensor=die_halfway)
+    """
+)
+
+
+def test_an_export_killed_halfway_leaves_no_version_and_the_next_one_succeeds(parts, tmp_path):
+    params, model_state = parts
+    weight_dir = str(tmp_path / "weights")
+    export_weights(CFG, params, model_state, weight_dir, "4", dtype="float32")
+    proc = subprocess.run(
+        [sys.executable, "-c", KILL_SCRIPT.format(root=ROOT), weight_dir, "5"], cwd=ROOT, capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    partial = os.path.join(weight_dir, ".v5.partial")
+    assert os.path.isdir(partial) and os.listdir(partial), "the killed export should have started writing"
+    assert not os.path.exists(version_folder(weight_dir, "5"))
+    assert [v for _, v, _ in list_versions(weight_dir)] == ["4"]
+    result = export_weights(CFG, params, model_state, weight_dir, "5", dtype="float32")
+    read_manifest(result.path, check_data=True)
+    assert not os.path.exists(partial)
+
+
+def test_reexporting_a_version_replaces_it_and_pruning_keeps_the_newest(parts, tmp_path):
+    params, model_state = parts
+    weight_dir = str(tmp_path)
+    for v in ("1", "2", "3"):
+        export_weights(CFG, params, model_state, weight_dir, v, dtype="bfloat16")
+    other = jax.tree.map(lambda x: x + 1, params)
+    again = export_weights(CFG, other, model_state, weight_dir, "2", dtype="float32")
+    assert read_manifest(again.path)["dtype"] == "float32"
+    os.makedirs(os.path.join(weight_dir, ".v9.partial"))  # a dead export of another version
+    assert prune_versions(weight_dir, keep=2, current="2") == ["1"]
+    assert sorted(v for _, v, _ in list_versions(weight_dir)) == ["2", "3"]
+    assert not [n for n in os.listdir(weight_dir) if n.startswith(".")]
