@@ -1,0 +1,45 @@
+"""The rollout engine a stage samples with, by `rollout.kind`.
+
+    engine = make_engine(run, model_def, params, model_state, mesh=mesh, tokenizer=tok, seed=s,
+                         stage_dir=stage_dir)
+
+local: `LocalEngine` on the stage's own weights, in process. sglang: `FleetEngine` on the
+fleet named by rollout.urls / rollout.router_url, exporting weight versions into
+rollout.weight_dir (default `<stage_dir>/weights`). Both speak the rollout protocol; the
+stage syncs either to its weights with `update_weights` before sampling.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def make_engine(run, model_def, params, model_state, *, mesh, tokenizer, seed: int, stage_dir: str | None = None):
+    """LocalEngine or FleetEngine for `run.rollout` (RunConfig), over the model
+    `model_def.bind(params, model_state)`; `tokenizer` gives the stop ids."""
+    from ptrain.data.tokenizer import stop_token_ids
+
+    ro = run.rollout
+    model = model_def.bind(params, model_state)
+    eos = stop_token_ids(tokenizer)
+    if ro.kind == "local":
+        from ptrain.rollout.local import LocalEngine
+
+        return LocalEngine(
+            model,
+            max_running_requests=ro.max_running_requests,
+            context_length=ro.context_length or run.train.seq_len + 1,
+            mesh=mesh,
+            eos_token_ids=eos,
+            decode_steps=ro.decode_steps,
+            seed=seed,
+        )
+    if ro.kind == "sglang":
+        from ptrain.rollout.fleet import FleetEngine
+
+        weight_dir = ro.weight_dir or os.path.join(stage_dir or run.run_dir, "weights")
+        extra = {"eos_token_id": list(eos)} if eos else None
+        return FleetEngine.from_config(
+            ro, model_cfg=model.cfg, weight_dir=weight_dir, eos_token_ids=eos, seed=seed, extra_config=extra
+        )
+    raise ValueError(f"rollout.kind={ro.kind!r}: pass local or sglang")

@@ -1,0 +1,532 @@
+"""`rollout=sglang` against real parts: three `python -m ptrain.serve` workers started as a
+user starts them, the real sglang-router (0.3.x, a Rust binary) in front of them, and
+FleetEngine in this process. Registration, round robin, the same tokens and log-probs as the
+in-process engine, weight pushes checked on every worker, an export killed halfway, a worker
+SIGKILLed mid-rollout, one answering 503 and one hanging, a resumed run's re-push, and the
+GRPO stage end to end through two workers behind the router.
+
+Faults come from `FaultProxy`, an HTTP proxy in front of two of the workers (the third is
+reached directly, so that its SIGKILL is a real dead socket): a test flips a proxy to answer
+503 or to hold requests unanswered, which is what a client and the router see of an
+overloaded or hung worker, without restarting a worker (40 s of compiles on 2 cores) and
+without test-only options in the server. The proxies also record every /generate body and
+answer, which are checked against SGLang's own schema."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+
+from ptrain.models import load_hf
+from ptrain.rollout.fleet import FleetEngine, FleetUnavailable
+from ptrain.rollout.local import LocalEngine, eos_ids_of
+from ptrain.rollout.protocol import GenerateRequest, SamplingParams
+from ptrain.rollout.weight_sync import WeightSyncError, list_versions, read_manifest, version_folder
+from ptrain.train.state import split_model
+from tests.rollout import sglang_schema as schema
+from tests.rollout.conftest import CONTEXT, MAX_RUNNING
+
+pytestmark = pytest.mark.slow
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROUTER = [sys.executable, "-m", "sglang_router.launch_router"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(cond, timeout: float, what: str, poll: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(poll)
+
+
+def get_json(url: str, timeout: float = 10) -> dict:
+    r = httpx.get(url, timeout=timeout)
+    assert r.status_code == 200, f"{url}: {r.status_code} {r.text[:500]}"
+    return r.json()
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+@dataclass
+class Proc:
+    cmd: list[str]
+    log_path: str
+    url: str
+    proc: subprocess.Popen | None = None
+
+    def start(self) -> Proc:
+        with open(self.log_path, "a") as log:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        return self
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-4000:]
+
+    def wait_healthy(self, timeout: float = 600) -> None:
+        def up():
+            if self.proc.poll() is not None:
+                pytest.fail(f"{self.cmd[:4]} exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                return httpx.get(self.url + "/health", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(up, timeout, f"{self.url} to answer /health")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+def worker(model_dir: str, log_dir, port: int | None = None) -> Proc:
+    port = port or free_port()
+    cmd = [
+        sys.executable, "-m", "ptrain.serve", "--model-path", model_dir, "--port", str(port),
+        "--max-running-requests", str(MAX_RUNNING), "--context-length", str(CONTEXT), "--skip-tokenizer-init",
+    ]  # fmt: skip
+    return Proc(cmd, str(log_dir / f"worker-{port}.log"), f"http://127.0.0.1:{port}")
+
+
+def router(log_dir) -> Proc:
+    port = free_port()
+    cmd = ROUTER + [
+        "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+        "--health-check-interval-secs", "2", "--request-timeout-secs", "120", "--log-level", "warn",
+    ]  # fmt: skip
+    return Proc(cmd, str(log_dir / f"router-{port}.log"), f"http://127.0.0.1:{port}")
+
+
+# ----------------------------------------------------------------------------- fault proxy
+
+
+@dataclass
+class FaultProxy:
+    """An HTTP proxy in front of one worker. mode "pass" forwards; "503" answers 503 Service
+    Unavailable; "hang" holds each request unanswered until the mode changes back (then
+    forwards it, as a worker that recovers finishes its work). `only` limits the fault to
+    some paths. Every POST body is recorded by path, and every /generate with its answer."""
+
+    upstream: str
+    port: int = field(default_factory=free_port)
+    mode: str = "pass"
+    only: tuple[str, ...] = ()
+    counts: collections.Counter = field(default_factory=collections.Counter)
+    generate_log: list = field(default_factory=list)
+    bodies: collections.defaultdict = field(default_factory=lambda: collections.defaultdict(list))
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def fault(self, path: str) -> str:
+        return self.mode if not self.only or path in self.only else "pass"
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        path = scope["path"]
+        while self.fault(path) == "hang":
+            await asyncio.sleep(0.05)
+        if self.fault(path) == "503":
+            self.counts[f"503 {path}"] += 1
+            await send({"type": "http.response.start", "status": 503, "headers": [(b"content-type", b"text/plain")]})
+            await send({"type": "http.response.body", "body": b"injected fault: 503"})
+            return
+        self.counts[path] += 1
+        if scope["method"] == "POST" and body:
+            self.bodies[path].append(json.loads(body))
+        url = self.upstream + path + (("?" + scope["query_string"].decode()) if scope["query_string"] else "")
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in (b"host", b"content-length")]
+        try:
+            async with httpx.AsyncClient(timeout=None) as c:
+                r = await c.request(scope["method"], url, content=body, headers=headers)
+        except httpx.TransportError:
+            await send({"type": "http.response.start", "status": 502, "headers": []})
+            await send({"type": "http.response.body", "body": b"bad gateway"})
+            return
+        if path == "/generate" and r.status_code == 200:
+            self.generate_log.append((json.loads(body), r.json()))
+        ctype = r.headers.get("content-type", "application/json").encode()
+        await send({"type": "http.response.start", "status": r.status_code, "headers": [(b"content-type", ctype)]})
+        await send({"type": "http.response.body", "body": r.content})
+
+    def start(self) -> FaultProxy:
+        config = uvicorn.Config(self, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off",
+                                timeout_graceful_shutdown=1)  # fmt: skip
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name=f"proxy-{self.port}", daemon=True)
+        self._thread.start()
+        wait_until(lambda: self._server.started, 30, "the proxy to listen")
+        return self
+
+    def stop(self) -> None:
+        self.mode = "pass"
+        self._server.should_exit = True
+        self._thread.join(10)
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@dataclass
+class Fleet:
+    workers: list[Proc]
+    proxies: list[FaultProxy | None]
+    router: Proc
+
+    @property
+    def urls(self) -> list[str]:
+        """What the client and the router know the workers as (a proxy's URL where there is one)."""
+        return [p.url if p else w.url for w, p in zip(self.workers, self.proxies)]
+
+
+@pytest.fixture(scope="module")
+def fleet(served_model_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("fleet-logs")
+    workers = [worker(served_model_dir, logs).start() for _ in range(3)]
+    rt = router(logs).start()
+    proxies: list[FaultProxy | None] = [None] + [FaultProxy(w.url).start() for w in workers[1:]]
+    try:
+        for w in workers:
+            w.wait_healthy()
+        rt.wait_healthy(60)
+        yield Fleet(workers, proxies, rt)
+    finally:
+        for p in proxies:
+            if p:
+                p.stop()
+        rt.stop()
+        for w in workers:
+            w.stop()
+
+
+@pytest.fixture(scope="module")
+def served(served_model_dir):
+    model = load_hf(served_model_dir)
+    model_def, params, model_state = split_model(model)
+    return model.cfg, params, model_state
+
+
+@pytest.fixture(scope="module")
+def other_params(other_weights_dir):
+    return split_model(load_hf(other_weights_dir))[1]
+
+
+FAST = dict(health_interval_s=1.0, health_timeout_s=3.0, probe_backoff_s=0.5, probe_backoff_max_s=2.0,
+            retry_backoff_s=0.1, weight_dtype="float32")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def engine(fleet, served, served_model_dir, tmp_path_factory):
+    """The client through the router, exporting float32 (so its log-probs equal the trainer's)."""
+    eng = FleetEngine(
+        urls=fleet.urls, router_url=fleet.router.url, model_cfg=served[0],
+        weight_dir=str(tmp_path_factory.mktemp("weights")), eos_token_ids=eos_ids_of(served_model_dir),
+        request_timeout_s=8.0, unhealthy_timeout_s=60.0, **FAST,
+    )  # fmt: skip
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def reference(served_model_dir):
+    eng = LocalEngine.from_hf(served_model_dir, max_running_requests=MAX_RUNNING, context_length=CONTEXT)
+    yield eng
+    eng.close()
+
+
+def requests(count: int, *, max_new_tokens: int = 8, n: int = 1, temperature: float = 0.0, tag: str = "r"):
+    rng = np.random.default_rng(count + max_new_tokens)
+    return [
+        GenerateRequest(
+            tuple(int(t) for t in rng.integers(4, 290, rng.integers(2, 12))),
+            SamplingParams(
+                max_new_tokens=max_new_tokens, temperature=temperature, n=n, sampling_seed=100 + i, ignore_eos=True
+            ),
+            rid=f"{tag}/task-{i}",
+        )  # fmt: skip
+        for i in range(count)
+    ]
+
+
+def assert_same_samples(got, want, *, atol: float = 1e-4) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert [s.index for s in g] == list(range(len(w)))
+        for a, b in zip(g, w):
+            assert a.output_ids == b.output_ids, f"{a.rid}[{a.index}]: different tokens"
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=atol, err_msg=f"{a.rid}[{a.index}]")
+            assert a.finish_reason == b.finish_reason
+
+
+def model_version(url: str) -> str:
+    info = get_json(url + "/model_info")
+    schema.check_model_info(info)
+    return info["weight_version"]
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+def test_no_healthy_worker_fails_with_every_url_and_its_answer():
+    dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    eng = FleetEngine(urls=dead, unhealthy_timeout_s=2.0, **FAST)
+    try:
+        future = eng.submit(requests(1)[0])
+        with pytest.raises(FleetUnavailable) as e:
+            future.result(30)
+        for url in dead:
+            assert url in str(e.value)
+        assert "connection failed" in str(e.value) and set(e.value.answers) == set(dead)
+        with pytest.raises(FleetUnavailable):
+            eng.submit(requests(1)[0])
+    finally:
+        eng.close()
+
+
+def test_the_router_registers_the_workers_and_round_robins(fleet, engine):
+    listed = get_json(fleet.router.url + "/workers")["workers"]
+    assert sorted(w["url"] for w in listed) == sorted(fleet.urls) and all(w["is_healthy"] for w in listed)
+    assert all(w["in_service"] for w in engine.info()["workers"])
+    before = [p.counts["/generate"] for p in fleet.proxies if p]
+    for r in requests(9, tag="rr"):  # one at a time: round robin gives each worker every third
+        engine.submit(r).result(120)
+    after = [p.counts["/generate"] for p in fleet.proxies if p]
+    assert [b - a for a, b in zip(before, after)] == [3, 3], "round robin over three workers"
+    traffic = [x for p in fleet.proxies if p for x in p.generate_log]
+    assert traffic
+    for body, answer in traffic:
+        schema.check_generate_request(body)
+        schema.check_generate_response(answer)
+        assert body["return_logprob"] is True and "#" in body["rid"] and body["input_ids"]
+
+
+def test_fleet_and_local_engine_sample_the_same_tokens_and_logprobs(engine, reference):
+    cases = requests(4, max_new_tokens=12, tag="greedy") + requests(3, max_new_tokens=10, n=3, temperature=1.0,
+                                                                    tag="seeded")  # fmt: skip
+    got = engine.generate_many(cases)
+    want = reference.generate_many(cases)
+    assert_same_samples(got, want)
+    assert all(s.weight_version == engine.weight_version and s.rid == r.rid for r, g in zip(cases, got) for s in g)
+    assert len({s.output_ids for s in got[-1]}) > 1, "the n seeded samples of a prompt should differ"
+
+
+def total_load(urls, key: str) -> int:
+    return sum(get_json(u + "/v1/loads")["loads"][0][key] for u in urls)
+
+
+def test_a_weight_push_reaches_every_worker_and_old_versions_are_pruned(fleet, engine, reference, served,
+                                                                        other_params):  # fmt: skip
+    _, params, model_state = served
+    old = engine.weight_version
+    cases = requests(3, max_new_tokens=10, tag="push")
+    long = [GenerateRequest((40, 41, 42 + i), SamplingParams(max_new_tokens=120, temperature=0, ignore_eos=True),
+                            rid=f"long-{i}") for i in range(24)]  # fmt: skip
+    in_flight = [engine.submit(r) for r in long]
+    assert engine.update_weights(other_params, model_state, weight_version="1", mode="drain") == "1"
+    for url in fleet.urls:
+        assert model_version(url) == "1", url
+    drained = [f.result(120)[0] for f in in_flight]
+    assert all(s.finish_reason.type == "length" and len(s.output_ids) == 120 for s in drained), "none lost"
+    assert all(len(s.weight_versions) == 1 and s.weight_version in (old, "1") for s in drained), (
+        "drain: a sample runs on one version, the old one if it started before the push"
+    )
+    folder = version_folder(engine.weight_dir, "1")
+    assert engine.last_push["path"] == folder and read_manifest(folder, check_data=True)["dtype"] == "float32"
+    assert all(w["ok"] for w in engine.last_push["workers"].values())
+    reference.update_weights(other_params, model_state, weight_version="1")
+    got = engine.generate_many(cases)
+    assert_same_samples(got, reference.generate_many(cases))
+    assert {s.weight_version for g in got for s in g} == {"1"}
+
+    engine.update_weights(params, model_state, weight_version="2", mode="abort")
+    for proxy in fleet.proxies[1:]:
+        body = proxy.bodies["/update_weights_from_disk"][-1]
+        assert body == {"model_path": version_folder(engine.weight_dir, "2"), "weight_version": "2",
+                        "abort_all_requests": True}  # fmt: skip
+    engine.update_weights(params, model_state, weight_version="3", mode="drain")
+    assert [v for _, v, _ in list_versions(engine.weight_dir)] == ["2", "3"]
+    reference.update_weights(params, model_state, weight_version="3")
+    assert_same_samples(engine.generate_many(cases), reference.generate_many(cases))
+
+
+def test_abort_reaches_the_worker_behind_the_router(fleet, engine):
+    """The router answers 404 to /abort_request, so the client sends it to every worker."""
+    assert httpx.post(fleet.router.url + "/abort_request", json={"rid": "x"}).status_code == 404
+    for url in fleet.urls:
+        assert httpx.post(url + "/pause_generation", json={"mode": "in_place"}).status_code == 200
+    try:
+        request = GenerateRequest((7, 8, 9), SamplingParams(max_new_tokens=50, temperature=0), rid="to-abort")
+        future = engine.submit(request)
+        wait_until(lambda: total_load(fleet.urls, "num_waiting_reqs") == 1, 30, "the request to wait on a worker")
+        assert engine.abort("to-abort") == 1
+        (sample,) = future.result(30)
+        assert sample.finish_reason.type == "abort" and sample.output_ids == () and sample.rid == "to-abort"
+    finally:
+        for url in fleet.urls:
+            httpx.post(url + "/continue_generation", json={})
+
+
+def test_a_folder_the_workers_refuse_is_an_error_and_they_keep_their_version(fleet, engine, bad_weights_dir,
+                                                                             tmp_path):  # fmt: skip
+    bad = load_hf(bad_weights_dir)
+    _, bad_params, bad_state = split_model(bad)
+    other = FleetEngine(urls=fleet.urls, model_cfg=bad.cfg, weight_dir=str(tmp_path), **FAST)
+    try:
+        with pytest.raises(WeightSyncError, match="d_ff") as e:
+            other.update_weights(bad_params, bad_state, weight_version="bad")
+        assert all(url in str(e.value) for url in fleet.urls)
+    finally:
+        other.close()
+    for url in fleet.urls:
+        assert model_version(url) == engine.weight_version
+
+
+KILL_EXPORT = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+from ptrain.models import load_hf
+from ptrain.rollout.weight_sync import export_weights
+from ptrain.train.state import split_model
+model = load_hf(sys.argv[1])
+_, params, state = split_model(model)
+count = [0]
+
+def die_halfway(name):
+    count[0] += 1
+    if count[0] == 5:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+export_weights(model.cfg, params, state, sys.argv[2], sys.argv[3], dtype="float32", on_tensor=die_halfway)
+"""
+
+
+def test_an_export_killed_halfway_never_reaches_the_fleet(fleet, engine, reference, served, other_weights_dir,
+                                                          other_params):  # fmt: skip
+    version = engine.weight_version
+    proc = subprocess.run(
+        [sys.executable, "-c", KILL_EXPORT.format(root=ROOT), other_weights_dir, engine.weight_dir, "9"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert os.path.isdir(os.path.join(engine.weight_dir, ".v9.partial"))
+    assert not os.path.exists(version_folder(engine.weight_dir, "9"))
+    cases = requests(2, tag="killed-export")
+    got = engine.generate_many(cases)
+    assert {s.weight_version for g in got for s in g} == {version}
+    assert_same_samples(got, reference.generate_many(cases))
+    _, _, model_state = served
+    engine.update_weights(other_params, model_state, weight_version="9")
+    assert {model_version(u) for u in fleet.urls} == {"9"}
+    assert not os.path.exists(os.path.join(engine.weight_dir, ".v9.partial"))
+    reference.update_weights(other_params, model_state, weight_version="9")
+
+
+def test_a_worker_answering_503_and_one_hanging_are_routed_around(fleet, engine, reference, served_model_dir):
+    direct = FleetEngine(urls=fleet.urls, eos_token_ids=eos_ids_of(served_model_dir), request_timeout_s=4.0,
+                         unhealthy_timeout_s=60.0, **FAST)  # fmt: skip
+    failing, hanging = fleet.proxies[1], fleet.proxies[2]
+    try:
+        failing.mode, hanging.mode = "503", "hang"
+        for eng, tag in ((direct, "direct"), (engine, "router")):
+            cases = requests(6, max_new_tokens=6, tag=f"faults-{tag}")
+            futures = [eng.submit(r) for r in cases]
+            got = [f.result(180) for f in futures]
+            assert_same_samples(got, reference.generate_many(cases))
+            assert sorted(g[0].rid for g in got) == sorted(r.rid for r in cases), "every request exactly once"
+            workers = {w["url"]: w for w in eng.info()["workers"]}
+            wait_until(lambda: not any(w["in_service"] for w in eng.info()["workers"][1:]), 30,
+                       f"{tag}: the faulty workers to be taken out")  # fmt: skip
+            workers = {w["url"]: w for w in eng.info()["workers"]}
+            assert "503" in workers[failing.url]["error"]
+            assert "no answer within" in workers[hanging.url]["error"]
+            assert workers[fleet.urls[0]]["in_service"]
+        assert direct.stats["retries"] >= 1
+        listed = {w["url"] for w in get_json(fleet.router.url + "/workers")["workers"]}
+        assert failing.url not in listed and hanging.url not in listed, "taken-out workers leave the router"
+    finally:
+        failing.mode = hanging.mode = "pass"
+    try:
+        for eng in (direct, engine):
+            wait_until(lambda: all(w["in_service"] for w in eng.info()["workers"]), 60, "the workers to come back")
+        wait_until(lambda: len(get_json(fleet.router.url + "/workers")["workers"]) == 3, 30, "the router to list all")
+        cases = requests(3, tag="after-faults")
+        assert_same_samples(engine.generate_many(cases), reference.generate_many(cases))
+    finally:
+        direct.close()
+
+
+def test_a_worker_sigkilled_mid_rollout_loses_no_sample_and_comes_back_on_the_current_version(
+    fleet, engine, reference, served_model_dir, tmp_path
+):
+    victim = fleet.workers[0]
+    cases = requests(12, max_new_tokens=60, tag="kill")
+    # Paused (it still passes health checks), the victim holds its share of the batch while the
+    # others generate theirs: the kill then surely lands on requests in flight.
+    assert httpx.post(victim.url + "/pause_generation", json={"mode": "in_place"}).status_code == 200
+    futures = [engine.submit(r) for r in cases]
+    wait_until(lambda: get_json(victim.url + "/v1/loads")["loads"][0]["num_waiting_reqs"] >= 3, 60,
+               "the victim to hold requests")  # fmt: skip
+    victim.proc.send_signal(signal.SIGKILL)
+    victim.proc.wait(30)
+    got = [f.result(300) for f in futures]
+    assert sorted(g[0].rid for g in got) == sorted(r.rid for r in cases), "every request exactly once"
+    assert all(s.finish_reason.type == "length" and len(s.output_ids) == 60 for g in got for s in g)
+    assert_same_samples(got, reference.generate_many(cases))
+    wait_until(lambda: not engine.info()["workers"][0]["in_service"], 30, "the dead worker to be taken out")
+
+    restarted = worker(served_model_dir, tmp_path, port=int(victim.url.rsplit(":", 1)[1])).start()
+    fleet.workers[0] = restarted
+    restarted.wait_healthy()
+    wait_until(lambda: engine.info()["workers"][0]["in_service"], 120, "the restarted worker to be back")
+    assert model_version(victim.url) == engine.weight_version, "brought to the current version before serving"
+    wait_until(lambda: victim.url in {w["url"] for w in get_json(fleet.router.url + "/workers")["workers"]}, 30,
+               "the router to list the restarted worker")  # fmt: skip
+
+
+def test_a_resumed_run_repushes_the_version_it_resumes_from(fleet, served, served_model_dir, reference, engine):
+    cfg, params, model_state = served
+    resumed = FleetEngine(urls=fleet.urls, router_url=fleet.router.url, model_cfg=cfg, weight_dir=engine.weight_dir,
+                          eos_token_ids=eos_ids_of(served_model_dir), **FAST)  # fmt: skip
+    try:
+        assert resumed.weight_version == engine.weight_version
+        resumed.update_weights(params, model_state, weight_version="4", mode="abort")  # what the stage's begin() does
+        assert {model_version(u) for u in fleet.urls} == {"4"}
+        reference.update_weights(params, model_state, weight_version="4")
+        cases = requests(3, tag="resumed")
+        assert_same_samples(resumed.generate_many(cases), reference.generate_many(cases))
+    finally:
+        resumed.close()
