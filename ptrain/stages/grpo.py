@@ -253,11 +253,10 @@ class RolloutBatches:
 def run_grpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict:
     """Run (or resume) one GRPO-family stage; returns its summary after export."""
     from ptrain.data.report import BadRowReport
-    from ptrain.data.tokenizer import stop_token_ids
     from ptrain.envs.audit import AuditLog
     from ptrain.envs.mixture import EnvMixture
     from ptrain.envs.registry import make_env
-    from ptrain.rollout.local import LocalEngine
+    from ptrain.rollout.engines import make_engine
     from ptrain.stages.env_eval import env_evaluator
 
     t_start = time.time()
@@ -272,17 +271,8 @@ def run_grpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
     seed = component_seed(run, "train.seed")
     tasks = EnvMixture(list(envs.values()), [e.weight for e in configs], seed=seed)
     placed = stage.placed
-    model = placed.model_def.bind(placed.state.params, placed.state.model_state)
-    ro = run.rollout
-    engine = LocalEngine(
-        model,
-        max_running_requests=ro.max_running_requests,
-        context_length=ro.context_length or run.train.seq_len + 1,
-        mesh=placed.mesh,
-        eos_token_ids=stop_token_ids(tokenizer),
-        decode_steps=ro.decode_steps,
-        seed=seed,
-    )
+    engine = make_engine(run, placed.model_def, placed.state.params, placed.state.model_state, mesh=placed.mesh,
+                         tokenizer=tokenizer, seed=seed, stage_dir=stage_dir)  # fmt: skip
     sampling = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                               top_k=cfg.top_k)  # fmt: skip
     audit = AuditLog(os.path.join(stage_dir, "audit.jsonl"))
