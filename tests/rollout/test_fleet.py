@@ -38,7 +38,9 @@ from ptrain.rollout.protocol import GenerateRequest, SamplingParams
 from ptrain.rollout.weight_sync import WeightSyncError, list_versions, read_manifest, version_folder
 from ptrain.train.state import split_model
 from tests.rollout import sglang_schema as schema
-from tests.rollout.conftest import CONTEXT, MAX_RUNNING
+from tests.rollout.conftest import CONTEXT, MAX_RUNNING, TINY
+from tests.stages.test_grpo import SCRIPT as GRPO_SCRIPT
+from tests.stages.test_grpo import TINY as GRPO_TINY
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -158,6 +160,10 @@ class FaultProxy:
             if not message.get("more_body"):
                 break
         path = scope["path"]
+        if not path.startswith("/"):  # the router's HTTP/2 probe ("PRI *"): not for a worker
+            await send({"type": "http.response.start", "status": 400, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+            return
         while self.fault(path) == "hang":
             await asyncio.sleep(0.05)
         if self.fault(path) == "503":
@@ -292,6 +298,18 @@ def assert_same_samples(got, want, *, atol: float = 1e-4) -> None:
             assert a.finish_reason == b.finish_reason
 
 
+def router_lists_all(fleet) -> list[dict]:
+    """The router's workers once it lists every one healthy (the client registers them; the
+    router adds them in the background)."""
+
+    def listed():
+        workers = get_json(fleet.router.url + "/workers")["workers"]
+        ok = sorted(w["url"] for w in workers if w["is_healthy"]) == sorted(fleet.urls)
+        return workers if ok else None
+
+    return wait_until(listed, 60, "the router to list every worker healthy")
+
+
 def model_version(url: str) -> str:
     info = get_json(url + "/model_info")
     schema.check_model_info(info)
@@ -318,7 +336,7 @@ def test_no_healthy_worker_fails_with_every_url_and_its_answer():
 
 
 def test_the_router_registers_the_workers_and_round_robins(fleet, engine):
-    listed = get_json(fleet.router.url + "/workers")["workers"]
+    listed = router_lists_all(fleet)
     assert sorted(w["url"] for w in listed) == sorted(fleet.urls) and all(w["is_healthy"] for w in listed)
     assert all(w["in_service"] for w in engine.info()["workers"])
     before = [p.counts["/generate"] for p in fleet.proxies if p]
@@ -530,3 +548,39 @@ def test_a_resumed_run_repushes_the_version_it_resumes_from(fleet, served, serve
         assert_same_samples(resumed.generate_many(cases), reference.generate_many(cases))
     finally:
         resumed.close()
+
+
+def test_the_grpo_stage_runs_through_two_workers_behind_the_router(fleet, engine, tmp_path):
+    """The GRPO recipe with rollout=sglang: two ptrain.serve workers behind the real router (the
+    third leaves the router for this run), float32 weight pushes each step, so the engine's
+    log-probs equal the trainer's as with the local engine."""
+    two, third = fleet.urls[:2], fleet.urls[2]
+    ids = {w["url"]: w["id"] for w in router_lists_all(fleet)}
+    assert httpx.delete(f"{fleet.router.url}/workers/{ids[third]}").status_code == 202
+    wait_until(lambda: third not in {w["url"] for w in get_json(fleet.router.url + "/workers")["workers"]}, 30,
+               "the third worker to leave the router")  # fmt: skip
+    model = [f"model.{k}={getattr(TINY, k)}" for k in ("family", "d_model", "n_layers", "n_heads", "n_kv_heads",
+                                                          "head_dim", "d_ff", "max_seq_len", "qk_norm",
+                                                          "tie_embeddings")]  # fmt: skip
+    overrides = [o for o in GRPO_TINY if not o.startswith("model.")] + model + [
+        "train.steps=3", "rollout=sglang", f"rollout.router_url={fleet.router.url}", f"rollout.urls=[{','.join(two)}]",
+        "rollout.weight_dtype=float32", "rollout.manage_router_workers=false", f"run_dir={tmp_path / 'run'}",
+    ]  # fmt: skip
+    before = fleet.proxies[1].counts["/generate"]
+    try:
+        proc = subprocess.run([sys.executable, GRPO_SCRIPT, *overrides], cwd=ROOT, capture_output=True, text=True,
+                              timeout=900, env=dict(os.environ, PYTHONUNBUFFERED="1"))  # fmt: skip
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    finally:
+        httpx.post(fleet.router.url + "/workers", json={"url": third})
+    stage = tmp_path / "run" / "stages" / "grpo"
+    steps = [json.loads(line) for line in open(stage / "metrics.jsonl")]
+    train = [m for m in steps if "train/loss" in m]
+    assert [m["step"] for m in train] == [1, 2, 3]
+    for m in train:
+        assert abs(m["train/mismatch_kl"]) < 1e-4, "the fleet's log-probs are the trainer's"
+        assert m["train/tokens/output"] > 0 and m["train/env_errors"] == 0
+    assert (stage / "DONE.json").is_file()
+    assert {model_version(u) for u in two} == {"3"}, "the last step's weights are on both workers"
+    assert [v for _, v, _ in list_versions(str(stage / "weights"))] == ["2", "3"]
+    assert fleet.proxies[1].counts["/generate"] > before, "the router sent samples to both workers"
