@@ -337,7 +337,8 @@ class FleetEngine(EngineBase):
         self.last_push = {
             "version": version, "path": export.path, "bytes": export.bytes, "export_s": t1 - t0,
             "export_gbps": export.gbps, "push_s": t2 - t1, "mode": push_mode,
-            "workers": {o.url: {"ok": o.ok, "seconds": o.seconds, "attempts": o.attempts, "error": o.error}
+            "workers": {o.url: {"ok": o.ok, "seconds": o.seconds, "update_s": o.update_s, "verify_s": o.verify_s,
+                              "attempts": o.attempts, "error": o.error}
                         for o in outcomes},
             "deleted": deleted,
         }  # fmt: skip

@@ -476,6 +476,10 @@ class PushOutcome:
     error: str | None = None
     permanent: bool = False
     """The worker refused the folder itself (HTTP 400): re-sending cannot help."""
+    update_s: float = 0.0
+    """Seconds of the last /update_weights_from_disk call (the worker loading the folder)."""
+    verify_s: float = 0.0
+    """Seconds of the last /model_info check."""
 
 
 def answer_text(response) -> str:
@@ -546,14 +550,18 @@ async def push_to_worker(
                     out.error = f"POST /pause_generation: {answer_text(r)}"
                     continue
                 paused = True
+            t_update = time.perf_counter()
             r = await client.post(url + "/update_weights_from_disk", json=body, timeout=timeout_s)
+            out.update_s = time.perf_counter() - t_update
             if r.status_code == 400 or (r.status_code == 200 and r.json().get("success") is False):
                 out.error, out.permanent = f"POST /update_weights_from_disk: {answer_text(r)}", True
                 break
             if r.status_code != 200:
                 out.error = f"POST /update_weights_from_disk: {answer_text(r)}"
                 continue
+            t_verify = time.perf_counter()
             out.version_seen = await worker_version(client, url, timeout_s)
+            out.verify_s = time.perf_counter() - t_verify
             if out.version_seen != version:
                 out.error = (
                     f"GET /model_info reports weight_version {out.version_seen!r} after the update to {version!r}"

@@ -584,3 +584,47 @@ def test_the_grpo_stage_runs_through_two_workers_behind_the_router(fleet, engine
     assert {model_version(u) for u in two} == {"3"}, "the last step's weights are on both workers"
     assert [v for _, v, _ in list_versions(str(stage / "weights"))] == ["2", "3"]
     assert fleet.proxies[1].counts["/generate"] > before, "the router sent samples to both workers"
+
+
+def free_port_pair() -> int:
+    """A port p with p + 1 free too (the launcher puts worker 1, or the router's metrics, there)."""
+    for _ in range(100):
+        p = free_port()
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p + 1))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError("no two adjacent free ports")
+
+
+def test_launch_fleet_starts_workers_and_a_router_and_stops_them_on_sigterm(served_model_dir, tmp_path):
+    base, router_port = free_port_pair(), free_port_pair()
+    cmd = [sys.executable, "tools/launch_fleet.py", "--model-path", served_model_dir, "--workers", "2",
+           "--base-port", str(base), "--router-port", str(router_port), "--engine", "ptrain",
+           "--log-dir", str(tmp_path), "--worker-args",
+           f"--max-running-requests {MAX_RUNNING} --context-length {CONTEXT} --skip-tokenizer-init"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        ready = wait_until(lambda: next((x for x in lines if x.startswith("fleet ready")), None) or
+                           (proc.poll() is not None and pytest.fail("".join(lines))), 600, "the fleet")  # fmt: skip
+        router_url = f"http://127.0.0.1:{router_port}"
+        assert ready.strip() == f"fleet ready: rollout=sglang rollout.router_url={router_url}"
+        body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+                "return_logprob": True}  # fmt: skip
+        schema.check_generate_request(body)
+        r = httpx.post(router_url + "/generate", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        schema.check_generate_response(r.json())
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0, "".join(lines)[-3000:]
+    reader.join(10)
+    assert "launch_fleet: stopping" in "".join(lines)
+    for port in (base, base + 1, router_port):
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
