@@ -304,14 +304,16 @@ def setup_stage(
     kind: str,
     t_start: float,
     with_reference: bool = False,
+    frozen: tuple[str, ...] = (),
 ) -> Stage:
     """The mesh, the starting model on it (the embedded one when init_path is None), the
-    optimizer and the placed train state (with a frozen reference copy when asked)."""
+    optimizer (parameters named in `frozen` never change) and the placed train state (with
+    a frozen reference copy when asked)."""
     from ptrain.train.optim import make_optimizer
 
     mesh = stage_mesh(run)
     model = load_model(run, init_path or ensure_base_model(run, tokenizer), mesh, tokenizer)
-    tx, lr = make_optimizer(run.optim, run.train.steps)
+    tx, lr = make_optimizer(run.optim, run.train.steps, frozen=frozen)
     placed = place_state(run, model, tx, mesh, with_reference=with_reference)
     return Stage(run, stage_dir, kind, tokenizer, placed, tx, lr, router_bias_update(run, model), t_start)
 

@@ -40,6 +40,7 @@ from ptrain.losses.advantages import group_advantages
 from ptrain.rollout.collector import Group, RolloutCollector
 from ptrain.rollout.protocol import SamplingParams
 from ptrain.stages.common import Algorithm, Stage, setup_stage, tokenizer_for, train_evaluate_export
+from ptrain.stages.env_eval import is_correct
 from ptrain.train.grpo import finalize_policy_metrics, make_policy_objective, policy_denominator, policy_logprobs
 from ptrain.train.state import TrainState
 
@@ -157,6 +158,10 @@ class RolloutBatches:
                 groups.append(g)
         if not groups:  # every group was degenerate: train on them (zero advantages) rather than stall
             groups = seen[: cfg.prompts_per_step]
+        record = getattr(self.collector.tasks, "record", None)  # a pass-rate curriculum learns from every group
+        if record is not None:
+            for g in seen:
+                record(g.task, float(np.mean([is_correct(t) for t in g.trajectories])))
         t_gen = time.time() - t0
 
         rewards = shaped_rewards(groups, cfg)
@@ -197,7 +202,7 @@ class RolloutBatches:
     def _metrics(self, groups, trajectories, rewards, adv_aux, counts, seen, dropped_zero_std, stats0, t_gen) -> dict:
         m: dict[str, float] = {}
         lengths = np.array([t.tokens.output for t in trajectories], np.float32)
-        correct = np.array([float(t.reward_components.get("correct", t.reward > 0)) for t in trajectories])
+        correct = np.array([float(is_correct(t)) for t in trajectories])
         m["reward/mean"] = float(rewards.mean())
         m["reward/std"] = float(adv_aux.reward_std)
         m["frac_zero_std_groups"] = float(adv_aux.frac_zero_std)
@@ -216,6 +221,8 @@ class RolloutBatches:
         m["staleness/mean"] = float(np.mean([self.version - g.version for g in groups]))
         m["staleness/max"] = float(max(self.version - g.version for g in groups))
         m["clipped_trajectories"] = counts["clipped_trajectories"]
+        for key, value in getattr(self.collector.tasks, "stats", {}).items():
+            m[f"curriculum/{key}"] = float(value)
         by_env: dict[str, list] = {}
         for t in trajectories:
             by_env.setdefault(t.task.env, []).append(t)
@@ -254,6 +261,7 @@ def run_grpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
     """Run (or resume) one GRPO-family stage; returns its summary after export."""
     from ptrain.data.report import BadRowReport
     from ptrain.envs.audit import AuditLog
+    from ptrain.envs.curriculum import Curriculum
     from ptrain.envs.mixture import EnvMixture
     from ptrain.envs.registry import make_env
     from ptrain.rollout.engines import make_engine
@@ -263,13 +271,16 @@ def run_grpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
     cfg = run.algo.grpo
     tokenizer = tokenizer_for(run, init_path)
     stage = setup_stage(run, stage_dir, init_path, tokenizer, kind="grpo", t_start=t_start,
-                        with_reference=cfg.kl_coef > 0)  # fmt: skip
+                        with_reference=cfg.kl_coef > 0, frozen=("router",) if cfg.freeze_router else ())  # fmt: skip
     from ptrain.config.seeds import component_seed
 
     configs = [run.envs[n] for n in (run.stages[0].envs or sorted(run.envs))]
     envs = {e.env_name: make_env(e, tokenizer=tokenizer) for e in configs}
     seed = component_seed(run, "train.seed")
     tasks = EnvMixture(list(envs.values()), [e.weight for e in configs], seed=seed)
+    if cfg.drop_solved or cfg.pass_rate_target is not None:
+        tasks = Curriculum(tasks, drop_solved=cfg.drop_solved, target=cfg.pass_rate_target,
+                           width=cfg.pass_rate_width, seed=seed)  # fmt: skip
     placed = stage.placed
     engine = make_engine(run, placed.model_def, placed.state.params, placed.state.model_state, mesh=placed.mesh,
                          tokenizer=tokenizer, seed=seed, stage_dir=stage_dir)  # fmt: skip

@@ -51,8 +51,13 @@ def decay_mask(params, cfg: OptimConfig):
     return jax.tree_util.tree_map_with_path(leaf_mask, params)
 
 
-def make_optimizer(cfg: OptimConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """The optax chain: clip by global norm, then the optimizer driven by the schedule."""
+def make_optimizer(
+    cfg: OptimConfig, total_steps: int, *, frozen: tuple[str, ...] = ()
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """The optax chain: clip by global norm, then the optimizer driven by the schedule.
+
+    frozen: parameter names (a path component, e.g. "router") that never change: their
+    updates are zero (weight decay included), and their gradients stay out of the clip."""
     lr = make_schedule(cfg, total_steps)
     if cfg.name in ("adamw", "adam"):
         wd = cfg.weight_decay if cfg.name == "adamw" else 0.0
@@ -68,4 +73,19 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> tuple[optax.GradientTr
     else:
         raise ValueError(f"optim.name: unknown optimizer '{cfg.name}'; pass {one_of(OPTIMIZERS)}")
     chain = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
-    return optax.chain(*chain, opt), lr
+    tx = optax.chain(*chain, opt)
+    if frozen:
+        tx = optax.multi_transform(
+            {"train": tx, "frozen": optax.set_to_zero()}, lambda params: frozen_labels(params, frozen)
+        )
+    return tx, lr
+
+
+def frozen_labels(params, frozen: tuple[str, ...]):
+    """ "frozen" for every leaf whose path holds one of the names, else "train"."""
+
+    def label(path, _):
+        names = {getattr(k, "key", getattr(k, "name", None)) for k in path}
+        return "frozen" if names & set(frozen) else "train"
+
+    return jax.tree_util.tree_map_with_path(label, params)

@@ -111,3 +111,35 @@ def test_validation_names_the_key():
         run.algo.grpo = dataclasses.replace(run.algo.grpo, **change)
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             validate(run)
+
+
+PRESETS = {
+    "grpo": dict(aggregation="seq_mean_token_mean", normalize_std=True, kl_coef=0.04),
+    "dr_grpo": dict(aggregation="seq_mean_token_sum_norm", normalize_std=False),
+    "dapo": dict(aggregation="token_mean", clip_high=0.28, dual_clip=10.0, dynamic_sampling=True, overlong_buffer=8),
+    "gspo": dict(ratio_level="sequence", clip_low=3e-4, clip_high=4e-4, aggregation="seq_mean_token_mean"),
+    "cispo": dict(objective="cispo", clip_low=1.0, clip_high=4.0),
+    "rloo": dict(baseline="leave_one_out", normalize_std=False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_named_algorithm_is_a_valid_config_with_a_finite_gradient(setup, name):
+    """GRPO, Dr. GRPO, DAPO, GSPO, CISPO and RLOO are settings of algo.grpo (ptrain/config/grpo.py)."""
+    from ptrain.config import RunConfig
+    from ptrain.config.run import validate
+
+    model_def, params, rest, batch = setup
+    cfg = GRPOAlgoConfig(max_new_tokens=12, epochs=2, **PRESETS[name])
+    run = RunConfig()
+    run.algo.grpo = cfg
+    validate(run)
+    batch = dict(batch, old_logp=np.asarray(policy_logprobs(model_def, params, rest, batch, temperature=1.0,
+                                                             vocab_chunk=0)) + 0.01)  # fmt: skip
+    tx, _ = make_optimizer(OptimConfig(), 10)
+    state = init_train_state(params, tx, seed=0, model_state=rest, ref_params=params)
+    obj = make_policy_objective(model_def, cfg)
+    loss, g = jax.value_and_grad(lambda p: obj(p, state, batch, policy_denominator(cfg.aggregation)(batch))[0])(params)
+    assert np.isfinite(float(loss))
+    norms = [float(np.abs(np.asarray(x)).max()) for x in jax.tree.leaves(g)]
+    assert all(np.isfinite(norms)) and max(norms) > 0
