@@ -180,6 +180,7 @@ class FleetEngine(EngineBase):
         weight_push_timeout_s: float = 600.0,
         weight_push_retries: int = 2,
         export_writers: int = 2,
+        weight_checksums: bool = True,
     ):
         if not urls and not router_url:
             raise ValueError("FleetEngine needs worker urls or a router_url")
@@ -207,6 +208,7 @@ class FleetEngine(EngineBase):
         self.weight_push_timeout_s = float(weight_push_timeout_s)
         self.weight_push_retries = int(weight_push_retries)
         self.export_writers = int(export_writers)
+        self.weight_checksums = bool(weight_checksums)
 
         self._fixed_urls = bool(urls)
         self._workers: dict[str, _Worker] = {}
@@ -244,7 +246,7 @@ class FleetEngine(EngineBase):
             "request_timeout_s", "connect_timeout_s", "unhealthy_timeout_s", "max_retries", "retry_backoff_s",
             "per_worker_concurrency", "health_interval_s", "health_timeout_s", "probe_backoff_s",
             "probe_backoff_max_s", "manage_router_workers", "weight_dtype", "keep_weight_versions",
-            "weight_push_mode", "weight_push_timeout_s", "weight_push_retries", "export_writers",
+            "weight_push_mode", "weight_push_timeout_s", "weight_push_retries", "export_writers", "weight_checksums",
         )  # fmt: skip
         return cls(
             urls=list(ro.urls), router_url=ro.router_url, model_cfg=model_cfg,
@@ -325,7 +327,7 @@ class FleetEngine(EngineBase):
         t0 = time.perf_counter()
         export = export_weights(
             self.model_cfg, params, model_state, self.weight_dir, version, dtype=self.weight_dtype,
-            writers=self.export_writers, extra_config=self.extra_config,
+            writers=self.export_writers, extra_config=self.extra_config, checksums=self.weight_checksums,
         )  # fmt: skip
         t1 = time.perf_counter()
         timeout = (self.weight_push_timeout_s + 1) * (self.weight_push_retries + 2) + self.unhealthy_timeout_s

@@ -194,7 +194,7 @@ def _to_host(leaf) -> np.ndarray:
     return np.asarray(jax.device_get(leaf))
 
 
-def _write_shard(path: str, tensors: list[_Tensor], leaves: dict, dtype, code: str, fsync: bool,
+def _write_shard(path: str, tensors: list[_Tensor], leaves: dict, dtype, code: str, fsync: bool, checksums: bool,
                  on_tensor: Callable[[str], None] | None) -> dict[str, dict]:  # fmt: skip
     """One safetensors file; returns the manifest entries of its tensors."""
     head, offsets = _header(tensors, code)
@@ -216,7 +216,7 @@ def _write_shard(path: str, tensors: list[_Tensor], leaves: dict, dtype, code: s
                 "shape": list(t.hf_shape),
                 "dtype": code,
                 "data_offsets": [start, end],
-                "sha256": hashlib.sha256(raw).hexdigest(),
+                "sha256": hashlib.sha256(raw).hexdigest() if checksums else None,
             }
             f.write(raw)
             if on_tensor is not None:
@@ -254,6 +254,7 @@ def export_weights(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     extra_config: Mapping[str, Any] | None = None,
     fsync: bool = True,
+    checksums: bool = True,
     process_index: int | None = None,
     process_count: int | None = None,
     barrier: Callable[[str], None] | None = None,
@@ -264,7 +265,9 @@ def export_weights(
 
     dtype: bfloat16 | float32, the stored dtype. writers: shard files written at once.
     extra_config: keys added to config.json (e.g. eos_token_id). fsync: flush every file to
-    the disk before the rename (off only for benchmarks of the page cache). on_tensor: called
+    the disk before the rename (off only for benchmarks of the page cache). checksums: the
+    sha256 of every tensor in the manifest (about a second of one core per GB; off where
+    the export is CPU-bound and the folder never leaves the machine). on_tensor: called
     with each tensor's name after it is written (progress; tests kill the process from it).
     An existing v<version> (a resumed run re-exporting its step) is replaced, never merged.
     Returns the ExportResult (on every process; its bytes are this process's share).
@@ -319,7 +322,9 @@ def export_weights(
     entries: dict[str, dict] = {}
     with concurrent.futures.ThreadPoolExecutor(max(1, min(writers, len(mine))), "ptrain-export") as pool:
         jobs = [
-            pool.submit(_write_shard, os.path.join(tmp, names[i]), shards[i], leaves, store, code, fsync, on_tensor)
+            pool.submit(
+                _write_shard, os.path.join(tmp, names[i]), shards[i], leaves, store, code, fsync, checksums, on_tensor
+            )  # fmt: skip
             for i in mine
         ]
         for job in jobs:
@@ -352,6 +357,7 @@ def export_weights(
             "format": FORMAT,
             "version": version,
             "dtype": dtype,
+            "checksums": "sha256" if checksums else None,
             "created": time.time(),
             "total_bytes": total,
             "files": dict(sorted(files.items())),
@@ -406,6 +412,8 @@ def read_manifest(folder: str, *, check_data: bool = False) -> dict:
                 f"{folder}/{e['file']}: {name} is {code}{list(shape)}, the manifest says {e['dtype']}{e['shape']}"
             )
         if check_data:
+            if not e.get("sha256"):
+                raise WeightSyncError(f"{path}: exported without checksums; check_data has nothing to compare")
             digest = hashlib.sha256(memoryview(np.ascontiguousarray(st.get(name)).view(np.uint8))).hexdigest()
             if digest != e["sha256"]:
                 raise WeightSyncError(

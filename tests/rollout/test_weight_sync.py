@@ -7,6 +7,7 @@ the newest versions."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -211,3 +212,27 @@ def test_reexporting_a_version_replaces_it_and_pruning_keeps_the_newest(parts, t
     assert prune_versions(weight_dir, keep=2, current="2") == ["1"]
     assert sorted(v for _, v, _ in list_versions(weight_dir)) == ["2", "3"]
     assert not [n for n in os.listdir(weight_dir) if n.startswith(".")]
+
+
+def test_bench_weight_sync_runs_on_the_tiny_model(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "tools/bench_weight_sync.py", "--models", "tiny", "--repeat", "1", "--workers", "0",
+         "--weight-dir", str(tmp_path / "w"), "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    tiny = report["results"]["tiny"]
+    assert tiny["bytes"] > 0 and tiny["export_gbps"] > 0 and tiny["disk_gbps"] > 0
+    assert report["facts"]["cpu"] and report["qwen3_30b_a3b"]["export_s"] > 0
+    assert "Qwen3-30B-A3B" in proc.stdout
+
+
+def test_an_export_without_checksums_still_checks_sizes_and_headers(parts, tmp_path):
+    params, model_state = parts
+    folder = export_weights(CFG, params, model_state, str(tmp_path), "1", dtype="float32", checksums=False).path
+    manifest = read_manifest(folder)
+    assert manifest["checksums"] is None and all(e["sha256"] is None for e in manifest["tensors"].values())
+    with pytest.raises(WeightSyncError, match="without checksums"):
+        read_manifest(folder, check_data=True)
