@@ -869,7 +869,14 @@ class FleetEngine(EngineBase):
                     self.stats["failed_pushes"] += 1
                     await self._take_out(w, f"weight update to {version!r}: {o.error}")
             if refused:
-                raise WeightSyncError(f"workers refused weight version {version!r} from {folder}: {'; '.join(refused)}")
+                hint = (
+                    "; rollout.weight_push_mode=drain updates without pausing"
+                    if mode == "pause" and any("paused" in r for r in refused)
+                    else ""
+                )
+                raise WeightSyncError(
+                    f"workers refused weight version {version!r} from {folder}: {'; '.join(refused)}{hint}"
+                )
         if not any(o.ok for o in outcomes):
             await self._wait_for_service()
         return outcomes

@@ -400,6 +400,14 @@ def test_a_weight_push_reaches_every_worker_and_old_versions_are_pruned(fleet, e
     reference.update_weights(params, model_state, weight_version="3")
     assert_same_samples(engine.generate_many(cases), reference.generate_many(cases))
 
+    paused = [(p.counts["/pause_generation"], p.counts["/continue_generation"]) for p in fleet.proxies[1:]]
+    engine.update_weights(params, model_state, weight_version="5", mode="in_place")  # pause, update, continue
+    assert [(p.counts["/pause_generation"], p.counts["/continue_generation"]) for p in fleet.proxies[1:]] == [
+        (a + 1, b + 1) for a, b in paused
+    ]
+    assert {model_version(u) for u in fleet.urls} == {"5"}
+    assert_same_samples(engine.generate_many(cases), reference.generate_many(cases))
+
 
 def test_abort_reaches_the_worker_behind_the_router(fleet, engine):
     """The router answers 404 to /abort_request, so the client sends it to every worker."""
@@ -564,7 +572,7 @@ def test_the_grpo_stage_runs_through_two_workers_behind_the_router(fleet, engine
                                                           "tie_embeddings")]  # fmt: skip
     overrides = [o for o in GRPO_TINY if not o.startswith("model.")] + model + [
         "train.steps=3", "rollout=sglang", f"rollout.router_url={fleet.router.url}", f"rollout.urls=[{','.join(two)}]",
-        "rollout.weight_dtype=float32", "rollout.manage_router_workers=false", f"run_dir={tmp_path / 'run'}",
+        "rollout.weight_dtype=float32", f"run_dir={tmp_path / 'run'}",
     ]  # fmt: skip
     before = fleet.proxies[1].counts["/generate"]
     try:
