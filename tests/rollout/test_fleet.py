@@ -18,6 +18,7 @@ import asyncio
 import collections
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -317,6 +318,39 @@ def model_version(url: str) -> str:
 
 
 # ----------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["rollout=sglang"], "rollout.urls"),
+        (["rollout=sglang", "rollout.urls=[http://a:1,ftp://b:2]"], "rollout.urls[1]"),
+        (["rollout=sglang", "rollout.urls=[http://a:1,http://a:1]"], "rollout.urls"),
+        (["rollout=sglang", "rollout.router_url=localhost:30000"], "rollout.router_url"),
+        (
+            ["rollout=sglang", "rollout.router_url=http://r:1", "rollout.weight_push_mode=fast"],
+            "rollout.weight_push_mode",
+        ),
+        (
+            ["rollout=sglang", "rollout.router_url=http://r:1", "rollout.health_interval_s=0"],
+            "rollout.health_interval_s",
+        ),
+        (
+            ["rollout=sglang", "rollout.router_url=http://r:1", "rollout.probe_backoff_max_s=0.1"],
+            "rollout.probe_backoff_max_s",
+        ),
+    ],
+)
+def test_fleet_config_mistakes_name_the_key(overrides, key):
+    from hydra import compose, initialize_config_module
+
+    from ptrain.config import register_configs, to_run_config
+    from ptrain.config.run import ConfigError
+
+    register_configs()
+    with initialize_config_module(config_module="ptrain.conf", version_base="1.3"):
+        with pytest.raises(ConfigError, match=re.escape(f"'{key}'")):
+            to_run_config(compose(config_name="config", overrides=overrides))
 
 
 def test_no_healthy_worker_fails_with_every_url_and_its_answer():
