@@ -59,6 +59,18 @@ def shaped_rewards(groups: list[Group], cfg) -> np.ndarray:
     return r
 
 
+def groups_ahead(cfg) -> int:
+    """Groups the collector keeps started or finished but not yet taken: max_staleness
+    rollout batches in async mode (at least one), none in sync mode.
+
+    A group is tagged with the weight version it started on, and the collector keeps this
+    pipeline full, so a group spends about ahead / prompts_per_step optimizer steps in it
+    before it is taken. max_staleness batches ahead therefore arrive within the bound; one
+    batch more ages every group one version past it, and about one group in two would be
+    dropped and sampled again (measured: 8 of 16 per step, tools/bench_grpo.py)."""
+    return max(cfg.max_staleness, 1) * cfg.prompts_per_step if cfg.mode == "async" else 0
+
+
 class RolloutBatches:
     """The loop's batches for an RL stage: rollout batches split into optimizer steps."""
 
@@ -287,7 +299,7 @@ def run_grpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
     sampling = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                               top_k=cfg.top_k)  # fmt: skip
     audit = AuditLog(os.path.join(stage_dir, "audit.jsonl"))
-    ahead = (cfg.max_staleness + 1) * cfg.prompts_per_step if cfg.mode == "async" else 0
+    ahead = groups_ahead(cfg)
     collector = RolloutCollector(envs, tasks, engine, sampling, group_size=cfg.group_size, seed=seed, ahead=ahead,
                                  audit=audit)  # fmt: skip
     batches = RolloutBatches(stage, collector, engine, costs=run.cost, devices=jax.device_count())
