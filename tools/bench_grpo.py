@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import random
 import resource
@@ -231,6 +232,18 @@ def step_floor(cfg, prompt_lens: list[int], output_lens: list[int], group: int, 
 # ----------------------------------------------------------------------------- one mode, in process
 
 
+def machine_rates(small: bool) -> tuple[float, float]:
+    """(float32 GFLOP/s of a 2048^2 matmul, the better of this process's XLA flags and XLA's
+    defaults; GB/s of reading 512 MiB), as tools/bench_engine.py and bench_train.py measure them.
+    With `small`, tiny arrays in this process only (a smoke run's floor means nothing)."""
+    from tools.bench_engine import matmul_rate, memory_rate
+    from tools.bench_train import best_matmul_peak
+
+    if small:  # smoke runs: this process's flags only, small arrays
+        return matmul_rate(256, reps=2), memory_rate(16, reps=2)
+    return best_matmul_peak(2048) / 1e9, memory_rate(512)
+
+
 def run_mode(args, mode: str) -> dict:
     """Build the GRPO stage's pieces for `mode` and time warmup + steps optimizer steps."""
     import jax
@@ -239,18 +252,15 @@ def run_mode(args, mode: str) -> dict:
     from ptrain.config import stage_config
     from ptrain.config.env import validate_env_config
     from ptrain.config.seeds import component_seed
-    from ptrain.data.tokenizer import stop_token_ids
     from ptrain.envs.mixture import EnvMixture
     from ptrain.metrics import to_host
     from ptrain.parallel import batch_sharding
     from ptrain.rollout.collector import RolloutCollector
-    from ptrain.rollout.local import LocalEngine
+    from ptrain.rollout.engines import make_engine
     from ptrain.rollout.protocol import SamplingParams
     from ptrain.stages.common import Algorithm, build_step, setup_stage, tokenizer_for
-    from ptrain.stages.grpo import RolloutBatches
+    from ptrain.stages.grpo import RolloutBatches, groups_ahead
     from ptrain.train.grpo import make_policy_objective, policy_denominator
-    from tools.bench_engine import memory_rate
-    from tools.bench_train import best_matmul_peak
 
     with tempfile.TemporaryDirectory() as run_dir:
         run = compose_run(bench_overrides(args, mode, run_dir))
@@ -270,21 +280,12 @@ def run_mode(args, mode: str) -> dict:
         t0 = time.perf_counter()
         stage = setup_stage(run, stage_dir, None, tokenizer, kind="grpo", t_start=time.time())
         placed = stage.placed
-        ro = run.rollout
-        engine = LocalEngine(
-            placed.model_def.bind(placed.state.params, placed.state.model_state),
-            max_running_requests=ro.max_running_requests,
-            context_length=ro.context_length or run.train.seq_len + 1,
-            mesh=placed.mesh,
-            eos_token_ids=stop_token_ids(tokenizer),
-            decode_steps=ro.decode_steps,
-            seed=seed,
-        )
+        engine = make_engine(run, placed.model_def, placed.state.params, placed.state.model_state, mesh=placed.mesh,
+                             tokenizer=tokenizer, seed=seed, stage_dir=stage_dir)  # fmt: skip
         sampling = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                                   top_k=cfg.top_k)  # fmt: skip
-        ahead = (cfg.max_staleness + 1) * cfg.prompts_per_step if cfg.mode == "async" else 0
         collector = RolloutCollector({env.name: env}, tasks, engine, sampling, group_size=cfg.group_size, seed=seed,
-                                     ahead=ahead)  # fmt: skip
+                                     ahead=groups_ahead(cfg))  # fmt: skip
         batches = RolloutBatches(stage, collector, engine, costs=run.cost, devices=jax.device_count())
         algorithm = Algorithm(
             objective=make_policy_objective(placed.model_def, cfg, vocab_chunk=run.train.vocab_chunk),
@@ -295,6 +296,9 @@ def run_mode(args, mode: str) -> dict:
         step_fn = build_step(stage, algorithm)
         sharding = batch_sharding(placed.mesh)
         setup_s = time.perf_counter() - t0
+        # The machine's rates before and after the steps (other jobs come and go); the floor
+        # takes the faster of each, so it stays a lower bound.
+        rates_before = machine_rates(args.small)
 
         records = []
         state = placed.state
@@ -302,16 +306,16 @@ def run_mode(args, mode: str) -> dict:
             batches.begin(0, state)
             for step in range(1, run.train.steps + 1):
                 reward0 = env.reward_seconds
-                t_start = time.perf_counter()
+                t_start, c_start = time.perf_counter(), time.process_time()
                 batch = next(batches)
-                t_batch = time.perf_counter()
+                t_batch, c_batch = time.perf_counter(), time.process_time()
                 state, metrics = step_fn(state, jax.device_put(batch, sharding))
                 jax.block_until_ready(metrics)
-                t_train = time.perf_counter()
+                t_train, c_train = time.perf_counter(), time.process_time()
                 batches.after_step(step, state, metrics)
                 t_sync = time.perf_counter()
                 host = batches.finalize(to_host(metrics))
-                t_end = time.perf_counter()
+                t_end, c_end = time.perf_counter(), time.process_time()
                 waited = host["time/generate_s"]
                 reward = env.reward_seconds - reward0
                 rec = {
@@ -323,6 +327,12 @@ def run_mode(args, mode: str) -> dict:
                     "batch_s": t_batch - t_start - waited + (t_end - t_sync),
                     "train_s": t_train - t_batch,
                     "sync_s": t_sync - t_train,
+                    # CPU seconds of every thread of this process over the rollout wait, the
+                    # train step and the whole step: busy cores = CPU seconds / wall seconds.
+                    "rollout_cpu_s": c_batch - c_start,
+                    "train_cpu_s": c_train - c_batch,
+                    "step_cpu_s": c_end - c_start,
+                    "dropped_stale_groups": host["dropped_stale_groups"],
                     "loss": host["loss"],
                     "reward": host["reward/mean"],
                     "output_tokens": host["tokens/output"],
@@ -336,6 +346,9 @@ def run_mode(args, mode: str) -> dict:
                 records.append(rec)
                 print(json.dumps({"mode": mode, **{k: round(v, 4) for k, v in rec.items() if k != "rows"}}), flush=True)
         finally:
+            # Async episodes still waiting on the engine are dropped with the collector's loop;
+            # asyncio's "Task was destroyed but it is pending" lines say only that.
+            logging.getLogger("asyncio").setLevel(logging.CRITICAL)
             collector.close()
             engine.close()
             env.close()
@@ -343,8 +356,8 @@ def run_mode(args, mode: str) -> dict:
 
     timed = records[args.warmup + 1 :]  # the first step compiles; then warmup steps
     med = {k: statistics.median(r[k] for r in timed) for k in timed[0] if k not in ("step", "rows")}
-    gflops = best_matmul_peak(512 if args.small else 2048) / 1e9
-    gbs = memory_rate(64 if args.small else 512)
+    rates_after = machine_rates(args.small)
+    gflops, gbs = (max(a, b) for a, b in zip(rates_before, rates_after))
     floors = [step_floor(run.model, *zip(*r["rows"]), args.group, gflops, gbs) for r in timed]
     floor = {k: statistics.median(f[k] for f in floors) for k in floors[0]}
     return {
@@ -360,6 +373,8 @@ def run_mode(args, mode: str) -> dict:
         "prompt_tokens_mean": med["prompt_tokens"] / (args.prompts * args.group),
         "matmul_gflops": gflops,
         "memory_gbs": gbs,
+        "matmul_gflops_before_after": [rates_before[0], rates_after[0]],
+        "memory_gbs_before_after": [rates_before[1], rates_after[1]],
         "floor": floor,
         "peak_rss_gib": peak_rss,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
@@ -430,6 +445,8 @@ def print_mode(r: dict) -> None:
     m, f = r["median"], r["floor"]
     sync = r["mode"] == "sync"
     gen = f"{m['output_tokens'] / m['generate_s']:.0f} output tok/s while generating, " if sync else ""
+    wait = m["generate_s"] + m["reward_s"] + m["idle_s"]
+    rollout = f"rollout wait {m['rollout_cpu_s'] / wait:.2f}, " if wait > 0.1 else ""
     print(
         f"ptrain {r['mode']}: {m['step_s']:.2f} s/step (median of {r['steps_timed']}; the first, compiling, "
         f"{r['compile_step_s']:.1f} s) = generate {m['generate_s']:.2f} + reward {m['reward_s']:.3f} + idle "
@@ -437,12 +454,15 @@ def print_mode(r: dict) -> None:
         f"responses {m['response_length']:.1f} tokens (truncated {m['truncated_frac']:.2f}), prompts "
         f"{r['prompt_tokens_mean']:.1f}, rows of {r['seq_len']}, grad_accum {r['grad_accum']}; {gen}"
         f"{m['train_tokens'] / m['train_s']:.0f} tok/s in the train step, {m['train_tokens'] / m['step_s']:.0f} "
-        f"trained tok/s per step; peak RSS {r['peak_rss_gib']:.2f} GiB",
+        f"trained tok/s per step; busy cores: {rollout}train step {m['train_cpu_s'] / m['train_s']:.2f}, whole step "
+        f"{m['step_cpu_s'] / m['step_s']:.2f}; "
+        f"stale groups dropped {m['dropped_stale_groups']:.0f}; peak RSS {r['peak_rss_gib']:.2f} GiB",
         flush=True,
     )
     print(
         f"  floor: {f['gen_gflop'] + f['train_gflop']:.0f} GFLOP (generate {f['gen_gflop']:.0f}, train "
-        f"{f['train_gflop']:.0f}) = {f['flop_floor_s']:.2f} s at {r['matmul_gflops']:.0f} GFLOP/s; "
+        f"{f['train_gflop']:.0f}) = {f['flop_floor_s']:.2f} s at {r['matmul_gflops']:.0f} GFLOP/s (before / after "
+        f"the steps {r['matmul_gflops_before_after'][0]:.0f} / {r['matmul_gflops_before_after'][1]:.0f}); "
         f"{f['gen_gbyte'] + f['train_gbyte']:.1f} GB of weights and KV = {f['byte_floor_s']:.2f} s at "
         f"{r['memory_gbs']:.1f} GB/s; step floor {f['floor_s']:.2f} s (generate {f['gen_floor_s']:.2f} + train "
         f"{f['train_floor_s']:.2f}): the step is {m['step_s'] / f['floor_s']:.2f}x its floor, the train step "
