@@ -155,6 +155,35 @@ def _turn_record(turn: Turn) -> dict[str, Any]:
     }
 
 
+SPLITS = ("train", "eval")
+
+
+class TaskSplits:
+    """`tasks(split, seed=)` over a kind's `make_tasks(seed)` (train and eval lists, built once
+    per seed), and `task(...)`, which gives a task its environment name and an id
+    '<split>-<index>'. Environment kinds build on it; it needs `self.name`."""
+
+    name: str
+
+    def make_tasks(self, seed: int) -> tuple[list[Task], list[Task]]:
+        """(train, eval) tasks for `seed`: disjoint and deterministic."""
+        raise NotImplementedError
+
+    def tasks(self, split: str, *, seed: int) -> Sequence[Task]:
+        """The tasks of split "train" or "eval" (Environment.tasks), built once per seed."""
+        if split not in SPLITS:
+            raise ValueError(f"environment {self.name!r}: unknown split {split!r}; pass one of {', '.join(SPLITS)}")
+        built = self.__dict__.setdefault("_task_splits", {})
+        if seed not in built:
+            built[seed] = self.make_tasks(int(seed))
+        train, held = built[seed]
+        return train if split == "train" else held
+
+    def task(self, split: str, index: int, messages: Sequence[Mapping[str, Any]], data: Mapping[str, Any]) -> Task:
+        """A Task of this environment with id '<split>-<index>'."""
+        return Task(env=self.name, id=f"{split}-{index}", messages=tuple(dict(m) for m in messages), data=dict(data))
+
+
 @runtime_checkable
 class Environment(Protocol):
     """What a stage needs of an environment kind (`ptrain.envs.registry` builds them)."""

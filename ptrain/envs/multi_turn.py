@@ -62,7 +62,7 @@ from typing import Any
 
 from ptrain.config.env_multi_turn import MultiTurnOptions
 from ptrain.data.tokenizer import stop_token_ids
-from ptrain.envs.base import Task, Trajectory, Turn
+from ptrain.envs.base import Task, TaskSplits, Trajectory, Turn
 from ptrain.envs.episode import EpisodeState, EpisodeStore
 from ptrain.envs.sandbox import Sandbox
 from ptrain.envs.tools import (
@@ -287,13 +287,10 @@ class Score:
     reward_error: str | None = None
 
 
-SPLITS = ("train", "eval")
-
-
 # ---------------------------------------------------------------------------------------- the env
 
 
-class MultiTurnEnv:
+class MultiTurnEnv(TaskSplits):
     """Base of the multi-turn kinds: the tool loop, episode checkpoints and token accounting.
 
     Built as the registry builds every kind: `cls(cfg, options, *, tokenizer, sandbox=None)`
@@ -337,7 +334,6 @@ class MultiTurnEnv:
         self.store = EpisodeStore(options.episode_dir) if options.episode_dir else None
         self._runner = runner
         self._owns_runner = runner is None
-        self._tasks: dict[int, tuple[list[Task], list[Task]]] = {}
         self._in_flight: Counter[str] = Counter()
         self.stats: Counter[str] = Counter({"episodes": 0, "resumed": 0, "reward_errors": 0, "errors": 0})
         """Episodes finished, episodes resumed from a checkpoint, reward-code failures, engine-refused turns."""
@@ -347,23 +343,6 @@ class MultiTurnEnv:
         return self.options.tool_timeout_s
 
     # ----------------------------------------------------------------- tasks and hooks
-
-    def make_tasks(self, seed: int) -> tuple[list[Task], list[Task]]:  # pragma: no cover - kinds implement
-        """(train, eval) tasks for `seed`, disjoint, deterministic: cfg.n_train and cfg.n_eval of them."""
-        raise NotImplementedError
-
-    def tasks(self, split: str, *, seed: int) -> Sequence[Task]:
-        """The tasks of split "train" or "eval" (Environment.tasks), built once per seed."""
-        if split not in SPLITS:
-            raise ValueError(f"environment {self.name!r}: unknown split {split!r}; pass one of {', '.join(SPLITS)}")
-        if seed not in self._tasks:
-            self._tasks[seed] = self.make_tasks(int(seed))
-        train, held = self._tasks[seed]
-        return train if split == "train" else held
-
-    def task(self, split: str, index: int, messages: Sequence[Mapping[str, Any]], data: Mapping[str, Any]) -> Task:
-        """A Task of this environment with id '<split>-<index>'."""
-        return Task(env=self.name, id=f"{split}-{index}", messages=tuple(dict(m) for m in messages), data=dict(data))
 
     async def setup_workspace(self, task: Task, workspace: Workspace) -> None:
         """Put the task's starting files into a fresh workspace."""

@@ -43,12 +43,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ptrain.envs.base import Task, TokenCounts, Trajectory, Turn
+from ptrain.envs.base import Task, TaskSplits, TokenCounts, Trajectory, Turn
 from ptrain.rollout.protocol import GenerateRequest, RequestError, Sample, SamplingParams
 
 log = logging.getLogger(__name__)
 
-SPLITS = ("train", "eval")
 
 BASE_METRICS = ("correct", "formatted", "truncated", "aborted", "reward_error")
 """Metrics every single-turn episode reports (0 or 1 each; `correct` may be a fraction)."""
@@ -116,7 +115,7 @@ class Score:
     reward_error: str | None = None
 
 
-class SingleTurnEnv:
+class SingleTurnEnv(TaskSplits):
     """Base of the single-turn kinds (module docstring). Subclasses set `judge` and
     implement `make_tasks` and `extract`; they may override `judge_args`, `score` (code
     runs a sandbox instead of a judge) and `extra_metrics`."""
@@ -146,29 +145,11 @@ class SingleTurnEnv:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._warm_lock = threading.Lock()
         self._warmed = False
-        self._tasks: dict[int, tuple[list[Task], list[Task]]] = {}
         self._in_flight: Counter[str] = Counter()
         self.stats: Counter[str] = Counter({"episodes": 0, "reward_errors": 0, "truncated": 0, "errors": 0})
         """Episodes scored, reward-code failures, truncated samples, engine-refused requests."""
 
     # ------------------------------------------------------------------ tasks
-
-    def make_tasks(self, seed: int) -> tuple[list[Task], list[Task]]:
-        """(train, eval) tasks for `seed`, disjoint, deterministic; at most cfg.n_train / cfg.n_eval."""
-        raise NotImplementedError
-
-    def tasks(self, split: str, *, seed: int) -> Sequence[Task]:
-        """The tasks of split "train" or "eval" (Environment.tasks), built once per seed."""
-        if split not in SPLITS:
-            raise ValueError(f"environment {self.name!r}: unknown split {split!r}; pass one of {', '.join(SPLITS)}")
-        if seed not in self._tasks:
-            self._tasks[seed] = self.make_tasks(int(seed))
-        train, held = self._tasks[seed]
-        return train if split == "train" else held
-
-    def task(self, split: str, index: int, messages: Sequence[Mapping[str, Any]], data: Mapping[str, Any]) -> Task:
-        """A Task of this environment with id '<split>-<index>'."""
-        return Task(env=self.name, id=f"{split}-{index}", messages=tuple(dict(m) for m in messages), data=dict(data))
 
     def row_splits(self, path: str, eval_path: str | None, fields: tuple[str, ...]) -> tuple[list, list]:
         """(train, eval) rows of JSONL files: eval from eval_path, else the first n_eval rows of

