@@ -4,7 +4,9 @@
     python tools/plot_run.py runs/x/stages/sft/metrics.jsonl --keys train/loss eval/exact_match
 
 Writes one PNG per metric next to each metrics.jsonl (or into --out), train and eval
-series of the same name on one figure.
+series of the same name on one figure; for RL stages also `rewards_by_env.png`, every
+environment's training reward (train/reward/<env>/mean) and held-out reward
+(eval/<env>/reward) on one figure.
 """
 
 from __future__ import annotations
@@ -61,7 +63,36 @@ def plot(path: str, out_dir: str, keys: list[str] | None) -> list[str]:
         fig.savefig(target, dpi=100)
         plt.close(fig)
         written.append(target)
+    per_env = {k: v for k, v in series.items() if _env_reward(k)}
+    if per_env and not keys:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for key, pts in sorted(per_env.items()):
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, label=_env_reward(key))
+        ax.set_xlabel("step")
+        ax.set_title("reward per environment")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        target = os.path.join(out_dir, "rewards_by_env.png")
+        fig.savefig(target, dpi=100)
+        plt.close(fig)
+        written.append(target)
     return written
+
+
+def _env_reward(key: str) -> str | None:
+    """'<env> train' for train/reward/<env>/mean, '<env> held-out' for eval/<env>/reward and
+    '<env> held-out, sampled' for eval/<env>/sampled/reward (eval/sampled/reward is the mean
+    over environments, left out)."""
+    parts = key.split("/")
+    if len(parts) == 4 and parts[0] == "train" and parts[1] == "reward" and parts[3] == "mean":
+        return f"{parts[2]} train"
+    if len(parts) == 3 and parts[0] == "eval" and parts[2] == "reward" and parts[1] != "sampled":
+        return f"{parts[1]} held-out"
+    if len(parts) == 4 and parts[0] == "eval" and parts[2:] == ["sampled", "reward"]:
+        return f"{parts[1]} held-out, sampled"
+    return None
 
 
 def main(argv=None) -> int:

@@ -185,3 +185,18 @@ def test_bench_vs_torch_reports_a_ratio_per_round():
             row["torch"]["step_s_median"] / row[f"ptrain_{label}"]["step_s_median"], rel=1e-2
         )
         assert summary[f"median_ratio_{label}"] == row[f"ratio_{label}"] > 0
+
+
+def test_plot_run_draws_every_environments_reward_on_one_figure(tmp_path):
+    rows = [
+        {"step": 0, "eval/countdown/reward": 0.1, "eval/math/reward": 0.2, "eval/reward": 0.15},
+        {"step": 1, "train/reward/countdown/mean": 0.3, "train/reward/math/mean": 0.1},
+        {"step": 2, "train/reward/countdown/mean": 0.4, "train/reward/math/mean": 0.2,
+         "eval/countdown/reward": 0.3, "eval/math/sampled/reward": 0.25},
+    ]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    written = plot_run.plot(str(tmp_path / "metrics.jsonl"), str(tmp_path / "plots"), None)
+    assert str(tmp_path / "plots" / "rewards_by_env.png") in written
+    labels = {plot_run._env_reward(k) for r in rows for k in r}
+    assert {"countdown train", "math train", "countdown held-out", "math held-out", "math held-out, sampled"} <= labels
+    assert plot_run._env_reward("eval/reward") is None and plot_run._env_reward("eval/sampled/reward") is None
