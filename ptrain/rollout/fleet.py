@@ -34,8 +34,9 @@ request's own fault: RequestError with the server's message. After `max_retries`
 future fails with RequestFailed, naming every attempt's answer.
 
 Health. Every worker in service is polled with /health_generate every `health_interval_s`; one
-that fails it, or fails a request, is taken out (and, with `manage_router_workers`, removed
-from the router), then probed with exponential backoff from `probe_backoff_s` to
+that answers it with an error, leaves it unanswered twice in a row (a worker compiling a
+program for a new shape can stall one probe), or fails a request, is taken out (and, with
+`manage_router_workers`, removed from the router), then probed with exponential backoff from `probe_backoff_s` to
 `probe_backoff_max_s`. A worker that answers again is brought to the current weight version
 (an update from the current export folder, checked in /model_info) before it serves again.
 When no worker has been in service for `unhealthy_timeout_s`, waiting requests fail with
@@ -85,6 +86,10 @@ SWAP_MODES = ("drain", "abort", "in_place")
 PUSH_FOR_SWAP = {"drain": "drain", "abort": "abort", "in_place": "pause"}
 """The fleet's way to do each of LocalEngine's swap modes (weight_push_mode "stage")."""
 ABORT_TIMEOUT_S = 5.0
+SLOW_PROBES_TO_FAIL = 2
+"""A worker in service leaves it after this many health probes in a row without an answer
+(one that compiles a program for a new shape can stall that long once); a probe answered
+with an error, or a failed request, takes it out at once."""
 
 
 class FleetUnavailable(RuntimeError):
@@ -120,6 +125,7 @@ class _Worker:
     backoff: float = 1.0
     served: int = 0
     failures: int = 0
+    slow_probes: int = 0
     wake: asyncio.Event | None = None
 
 
@@ -491,12 +497,17 @@ class FleetEngine(EngineBase):
                     self._spawn(self._monitor(w))
 
     async def _health(self, w: _Worker) -> tuple[bool, str]:
+        """(healthy, what the probe got); counts probes in a row with no answer in w.slow_probes."""
         import httpx
 
         try:
             r = await self._control.get(w.url + "/health_generate", timeout=self.health_timeout_s)
+        except httpx.TimeoutException as e:
+            w.slow_probes += 1
+            return False, f"GET /health_generate: {describe_error(e, self.health_timeout_s)}"
         except httpx.HTTPError as e:
             return False, f"GET /health_generate: {describe_error(e, self.health_timeout_s)}"
+        w.slow_probes = 0
         if r.status_code != 200:
             return False, f"GET /health_generate: {answer_text(r)}"
         return True, "ok"
@@ -579,7 +590,9 @@ class FleetEngine(EngineBase):
                 if not w.in_service:
                     continue
                 ok, why = await self._health(w)
-                if not ok and w.in_service:
+                if not ok and w.in_service and 0 < w.slow_probes < SLOW_PROBES_TO_FAIL:
+                    log.info("%s: %s (once; it stays in service until the next probe)", w.url, why)
+                elif not ok and w.in_service:
                     await self._take_out(w, why)
             else:
                 w.wake.clear()
