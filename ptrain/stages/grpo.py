@@ -83,6 +83,7 @@ class RolloutBatches:
         self.devices = devices
         self.rows = self.cfg.prompts_per_step * self.cfg.group_size
         self.queue: deque[dict] = deque()
+        self._t_batch = self._t_last_take = time.time()
         self.step_metrics: deque[dict] = deque()
         self.next_metrics: dict = {}
         self.version = 0
@@ -114,11 +115,15 @@ class RolloutBatches:
     def __next__(self) -> dict:
         if not self.queue:
             self._rollout()
+        self._t_batch = time.time()
         return self.queue.popleft()
 
     def after_step(self, step: int, state: TrainState, metrics: dict) -> None:
         self.state, self.version = state, step
-        self.step_metrics.append(self.next_metrics)
+        # The engine needs these weights next, so waiting for the step here costs nothing
+        # and splits the time honestly: training up to now, sampling after.
+        jax.block_until_ready(state.params)
+        self.step_metrics.append(dict(self.next_metrics, **{"time/train_s": time.time() - self._t_batch}))
         self.next_metrics = {}
         t0 = time.time()
         if self.cfg.mode == "async":
@@ -252,14 +257,24 @@ class RolloutBatches:
         m["tokens/prompt_cached"] = float(tok_cached)
         m["tokens/output"] = float(tok_out)
         m["cached_token_ratio"] = tok_cached / max(tok_unc + tok_cached, 1)
-        m["time/generate_s"] = t_gen
-        m["generate_tokens_per_s"] = tok_out / max(t_gen, 1e-9)
+        now = time.time()
+        wall = now - self._t_last_take  # one whole RL step: sampling, scoring, training, sync
+        if self.cfg.mode == "async":
+            # Generation runs in the background: what the trainer waited, and the producer's
+            # rate over the wall time since the previous batch was taken.
+            m["time/rollout_wait_s"] = t_gen
+            m["generate_tokens_per_s"] = tok_out / max(wall, 1e-9)
+        else:
+            m["time/generate_s"] = t_gen
+            m["generate_tokens_per_s"] = tok_out / max(t_gen, 1e-9)
+        self._t_last_take = now
         c = self.costs
         cost = (
             tok_unc * c.input_uncached_per_mtok_usd + tok_cached * c.input_cached_per_mtok_usd
             + tok_out * c.output_per_mtok_usd
-        ) / 1e6 + c.accelerator_hour_usd * self.devices * t_gen / 3600  # fmt: skip
+        ) / 1e6 + c.accelerator_hour_usd * self.devices * wall / 3600  # fmt: skip
         self.cost_usd += cost
+        m["time/rl_step_s"] = wall
         m["cost/step_usd"] = cost
         m["cost/total_usd"] = self.cost_usd
         if self.reward_start is None:
