@@ -316,7 +316,8 @@ def run_mode(args, mode: str) -> dict:
                 t_sync = time.perf_counter()
                 host = batches.finalize(to_host(metrics))
                 t_end, c_end = time.perf_counter(), time.process_time()
-                waited = host["time/generate_s"]
+                # The stage's own split of its rollout wait (named per mode in newer stages).
+                waited = host.get("time/generate_s", host.get("time/rollout_wait_s"))
                 reward = env.reward_seconds - reward0
                 rec = {
                     "step": step,

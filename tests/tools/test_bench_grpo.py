@@ -30,6 +30,21 @@ def test_bench_grpo_times_a_sync_step_of_the_real_stage(tmp_path):
     assert "ptrain sync:" in p.stdout and "floor:" in p.stdout
 
 
+@pytest.mark.slow
+def test_bench_grpo_times_async_steps_within_the_staleness_bound(tmp_path):
+    out = tmp_path / "async.json"
+    cmd = [sys.executable, "tools/bench_grpo.py", "--small", "--mode", "async", "--steps", "2", "--warmup", "0",
+           "--prompts", "2", "--group", "2", "--new-tokens", "8", "--grad-accum", "1", "--json", str(out)]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["mode"] == "async" and len(r["steps"]) == 3
+    for s in r["steps"]:
+        assert s["generate_s"] == 0.0 and s["idle_s"] >= 0  # in async mode the trainer's wait is idle time
+        assert s["staleness_max"] <= 1 and s["dropped_stale_groups"] == 0
+    assert "ptrain async:" in p.stdout
+
+
 def test_prompts_and_reward_are_the_peer_scripts_kind():
     import random
 
