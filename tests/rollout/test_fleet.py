@@ -396,6 +396,19 @@ def test_the_router_registers_the_workers_and_round_robins(fleet, engine):
         assert body["return_logprob"] is True and "#" in body["rid"] and body["input_ids"]
 
 
+def test_without_a_router_the_client_gives_each_request_to_the_least_busy_worker(fleet, served_model_dir):
+    eng = FleetEngine(urls=fleet.urls, eos_token_ids=eos_ids_of(served_model_dir), **FAST)
+    try:
+        settle(eng)
+        futures = [eng.submit(r) for r in requests(9, max_new_tokens=100, tag="spread")]
+        for f in futures:
+            f.result(300)
+        # Dispatched at once, each went to a worker with the fewest outstanding, ties in turn.
+        assert [w["served"] for w in eng.info()["workers"]] == [3, 3, 3]
+    finally:
+        eng.close()
+
+
 def test_fleet_and_local_engine_sample_the_same_tokens_and_logprobs(engine, reference):
     cases = requests(4, max_new_tokens=12, tag="greedy") + requests(3, max_new_tokens=10, n=3, temperature=1.0,
                                                                     tag="seeded")  # fmt: skip
@@ -611,6 +624,38 @@ def test_a_resumed_run_repushes_the_version_it_resumes_from(fleet, served, serve
         assert_same_samples(resumed.generate_many(cases), reference.generate_many(cases))
     finally:
         resumed.close()
+
+
+def test_a_push_that_times_out_is_retried_and_a_worker_that_died_meanwhile_catches_up_when_back(
+    fleet, served, served_model_dir, tmp_path
+):
+    cfg, params, model_state = served
+    proxy, index = fleet.proxies[2], 2
+    eng = FleetEngine(urls=fleet.urls, router_url=fleet.router.url, model_cfg=cfg, weight_dir=str(tmp_path / "w"),
+                      eos_token_ids=eos_ids_of(served_model_dir), weight_push_timeout_s=3.0, weight_push_retries=1,
+                      **FAST)  # fmt: skip
+    try:
+        settle(eng)
+        proxy.only, proxy.mode = ("/update_weights_from_disk",), "hang"
+        assert eng.update_weights(params, model_state, weight_version="6") == "6"
+        held = eng.last_push["workers"][proxy.url]
+        assert not held["ok"] and held["attempts"] == 2 and "no answer within 3 s" in held["error"]
+        assert {model_version(u) for u in fleet.urls[:2]} == {"6"}
+        assert not {w["url"]: w for w in eng.info()["workers"]}[proxy.url]["in_service"]
+        victim = fleet.workers[index]
+        victim.proc.send_signal(signal.SIGKILL)  # it dies with its update still on the way
+        victim.proc.wait(30)
+        proxy.mode, proxy.only = "pass", ()
+        restarted = worker(served_model_dir, tmp_path, port=int(victim.url.rsplit(":", 1)[1])).start()
+        fleet.workers[index] = restarted
+        restarted.wait_healthy()
+        settle(eng)
+        assert model_version(proxy.url) == "6", "brought to the current version before serving"
+        got = eng.generate_many(requests(6, tag="after-push-fault"))
+        assert {s.weight_version for g in got for s in g} == {"6"}
+    finally:
+        proxy.mode, proxy.only = "pass", ()
+        eng.close()
 
 
 def test_the_grpo_stage_runs_through_two_workers_behind_the_router(fleet, tmp_path):
