@@ -68,12 +68,14 @@ def _run(cfg: DictConfig) -> dict:
     tune_xla_cpu(compute_dtype=run.model.dtype, moe=run.model.is_moe)
     from ptrain.checkpoint import CheckpointError  # jax imports only after the config is known good
     from ptrain.pipeline import run_pipeline
-    from ptrain.stages.common import TrainingDiverged
+    from ptrain.stages.common import StageStopped, TrainingDiverged
 
     try:
         return run_pipeline(run)
     except (ConfigError, FileNotFoundError) as e:  # checks that need the devices or the files
         return _fail("config error", e, 2)
+    except StageStopped as e:  # checkpointed and stopped: the rollout engine could not sample
+        return _fail("stopped", e, 1)
     except (CheckpointError, TrainingDiverged, ValueError) as e:  # bad data, model folders, checkpoints
         return _fail("error", e, 1)
 

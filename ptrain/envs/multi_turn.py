@@ -75,7 +75,7 @@ from ptrain.envs.tools import (
     make_tools,
     tool_sandbox,
 )
-from ptrain.rollout.protocol import GenerateRequest, RequestError, RolloutEngine, SamplingParams
+from ptrain.rollout.protocol import EngineUnavailable, GenerateRequest, RequestError, RolloutEngine, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -410,8 +410,8 @@ class MultiTurnEnv(TaskSplits):
             if self._in_flight[base] <= 0:
                 del self._in_flight[base]
         failures = [r for r in results if isinstance(r, BaseException)]
-        if failures:
-            raise failures[0]
+        if failures:  # an engine that cannot sample at all ends the stage, whatever else failed
+            raise next((f for f in failures if isinstance(f, EngineUnavailable)), failures[0])
         return list(results)
 
     async def _episode(self, task, engine, sampling, j: int, prompt: list[int], rid: str) -> Trajectory:

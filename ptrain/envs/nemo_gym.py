@@ -72,7 +72,7 @@ from ptrain.envs.multi_turn import (
     parse_tool_calls,
 )
 from ptrain.envs.tools import cap_text
-from ptrain.rollout.protocol import RolloutEngine, SamplingParams
+from ptrain.rollout.protocol import EngineUnavailable, RolloutEngine, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -675,8 +675,8 @@ class NemoGymEnv(MultiTurnEnv):
             if self._in_flight[base] <= 0:
                 del self._in_flight[base]
         failures = [r for r in results if isinstance(r, BaseException)]
-        if failures:
-            raise failures[0]
+        if failures:  # an engine that cannot sample at all ends the stage, whatever else failed
+            raise next((f for f in failures if isinstance(f, EngineUnavailable)), failures[0])
         return list(results)
 
     async def _play(self, task: Task, fmt: ChatFormat, engine: RolloutEngine, sampling: SamplingParams, j: int,

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ptrain.envs.base import Environment, Task, TokenCounts, Trajectory, Turn
-from ptrain.rollout.protocol import RolloutEngine, SamplingParams
+from ptrain.rollout.protocol import EngineUnavailable, RolloutEngine, SamplingParams
 
 
 class TaskSource(Protocol):
@@ -120,6 +120,8 @@ class RolloutCollector:
         sampling = dataclasses.replace(self.sampling, sampling_seed=seed_of(self.seed, index))
         try:
             trajectories = await env.rollout(task, self.engine, sampling)
+        except EngineUnavailable:  # nothing can sample: the stage checkpoints and stops
+            raise
         except Exception as e:  # one environment's failure must not end the stage
             self.stats["env_errors"] += 1
             trajectories = [_failed(task, j, f"{type(e).__name__}: {e}") for j in range(sampling.n)]
@@ -177,6 +179,8 @@ class RolloutCollector:
         deadline = None if timeout_s is None else time.time() + timeout_s
         with self._cv:
             while len(out) < n_groups:
+                if isinstance(self._error, EngineUnavailable):
+                    raise self._error
                 if self._error is not None:
                     raise RuntimeError(f"rollout collection failed: {self._error!r}") from self._error
                 while self._ready and len(out) < n_groups:

@@ -68,7 +68,15 @@ from typing import Any
 import numpy as np
 
 from ptrain.rollout import sglang_wire as wire
-from ptrain.rollout.protocol import EngineBase, FinishReason, GenerateRequest, RequestError, Sample, SamplingParams
+from ptrain.rollout.protocol import (
+    EngineBase,
+    EngineUnavailable,
+    FinishReason,
+    GenerateRequest,
+    RequestError,
+    Sample,
+    SamplingParams,
+)
 from ptrain.rollout.weight_sync import (
     WeightSyncError,
     answer_text,
@@ -92,7 +100,7 @@ SLOW_PROBES_TO_FAIL = 2
 with an error, or a failed request, takes it out at once."""
 
 
-class FleetUnavailable(RuntimeError):
+class FleetUnavailable(EngineUnavailable):
     """No worker of the fleet has been healthy for `unhealthy_timeout_s`. `answers` maps every
     URL (workers, and the router if there is one) to its last answer. A stage that gets it
     saves a resumable checkpoint and stops with this message."""

@@ -48,6 +48,12 @@ TOP_K_OFF = 1 << 30
 """SGLang's top_k default ("all tokens"); any top_k <= 0 or >= the vocabulary is also off."""
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine cannot sample at all (no healthy worker of a fleet for its timeout). A stage
+    that meets it saves a resumable checkpoint and stops with this message; resuming later
+    re-syncs the engine first."""
+
+
 class RequestError(ValueError):
     """A request that cannot be served as given; the message names the field and the fix.
     The HTTP server answers it with 400."""

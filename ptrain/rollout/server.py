@@ -811,12 +811,6 @@ async def update_weights_from_disk(request: Request) -> Response:
         )
     if body["manifest"] is not None:
         raise RequestError("manifest: not supported; the folder's safetensors index is read instead")
-    if front.is_paused() and not body["abort_all_requests"] and front.load()["running"]:
-        raise RequestError(
-            "generation is paused with requests still running (retract or in_place), and this engine finishes "
-            "them on the old weights before a swap; call /continue_generation first, or pass "
-            "abort_all_requests: true, or pause with mode 'abort'"
-        )
     async with front.update_lock:
         try:
             new_version = await asyncio.to_thread(

@@ -40,6 +40,11 @@ class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite; the message names the step and what to try."""
 
 
+class StageStopped(RuntimeError):
+    """The stage saved a resumable checkpoint and stopped (its rollout engine could not sample);
+    the message says why and that re-launching resumes."""
+
+
 def resolved(run: RunConfig) -> dict:
     """The stage's resolved config as plain JSON data (stored in every checkpoint)."""
     from omegaconf import OmegaConf
@@ -367,12 +372,40 @@ def train_loop(
             logger.log(step, host)
         last = host
 
-    batches.begin(start_step, state)
+    from ptrain.rollout.protocol import EngineUnavailable
+
+    saved = start_step
+
+    def stop(at: int, error: EngineUnavailable):
+        """Save a resumable checkpoint at step `at` (unless it exists) and end the stage."""
+        if pending is not None:
+            drain(pending)
+        if at > saved:
+            checkpointer.save(at, state, batches.get_state(), dict(meta, step=at, metrics=last))
+        checkpointer.wait()
+        raise StageStopped(
+            f"{error} -- stage '{stage.name}' saved its checkpoint at step {at} and stopped; once the engine "
+            "can sample again, re-launch the same command to resume"
+        ) from error
+
+    try:
+        batches.begin(start_step, state)
+    except EngineUnavailable as e:  # nothing has happened yet: the last checkpoint stands
+        stop(start_step, e)
     for step in range(start_step + 1, total + 1):
-        batch = next(batches)
+        try:
+            batch = next(batches)
+        except EngineUnavailable as e:  # the batches are back where they were before this step
+            stop(step - 1, e)
         tokens = algorithm.tokens_in(batch)
         state, metrics = step_fn(state, jax.device_put(batch, sharding))
-        batches.after_step(step, state, metrics)
+        try:
+            batches.after_step(step, state, metrics)
+        except EngineUnavailable as e:  # the step trained; its weights just did not reach the engine
+            if pending is not None:
+                drain(pending)
+            pending = (step, metrics, tokens, time.time() - t_prev)
+            stop(step, e)
         # Step time = time between consecutive returns of the step call: with asynchronous
         # dispatch the loop is paced by the device (drain blocks on the previous step), with
         # synchronous dispatch (CPU) it is the compute itself. Either way no extra sync.
@@ -395,6 +428,7 @@ def train_loop(
                 drain(pending)  # the step's metrics reach the JSONL before its checkpoint exists
                 pending = None
             checkpointer.save(step, state, batches.get_state(), dict(meta, step=step, metrics=last))
+            saved = step
     if pending is not None:
         drain(pending)
     checkpointer.wait()

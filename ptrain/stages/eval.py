@@ -20,14 +20,16 @@ from ptrain.stages.common import ensure_base_model, load_model, stage_mesh, toke
 
 def run_eval_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict:
     """Evaluate the model at init_path (None: the embedded one) on the stage's environments."""
+    import dataclasses
+
     from ptrain.checkpoint import mark_done
-    from ptrain.data.tokenizer import stop_token_ids
+    from ptrain.config.seeds import component_seed
     from ptrain.envs.audit import AuditLog
     from ptrain.envs.registry import make_env
     from ptrain.metrics import MetricsLogger
-    from ptrain.rollout.local import LocalEngine
-    from ptrain.stages.common import rules_of
+    from ptrain.rollout.engines import make_engine
     from ptrain.stages.env_eval import evaluate_envs
+    from ptrain.train.state import split_model
 
     t_start = time.time()
     stage = run.stages[0]
@@ -36,17 +38,18 @@ def run_eval_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
     model = load_model(run, init_path or ensure_base_model(run, tokenizer), mesh, tokenizer)
     configs = [run.envs[n] for n in (stage.envs or sorted(run.envs))]
     envs = {e.env_name: make_env(e, tokenizer=tokenizer) for e in configs}
-    ro, cfg = run.rollout, run.algo.eval
-    engine = LocalEngine(
-        model,
-        max_running_requests=ro.max_running_requests,
-        context_length=ro.context_length or model.cfg.max_seq_len,
-        mesh=mesh,
-        rules=tuple(rules_of(run)),
-        eos_token_ids=stop_token_ids(tokenizer),
-        decode_steps=ro.decode_steps,
-        model_path=init_path,
+    cfg = run.algo.eval
+    # The whole context the model was built for (an evaluation has no train.seq_len to fit).
+    run = dataclasses.replace(
+        run,
+        rollout=dataclasses.replace(run.rollout, context_length=run.rollout.context_length or model.cfg.max_seq_len),
     )
+    model_def, params, model_state = split_model(model)
+    engine = make_engine(run, model_def, params, model_state, mesh=mesh, tokenizer=tokenizer,
+                         seed=component_seed(run, "train.seed"), stage_dir=stage_dir)  # fmt: skip
+    # A fleet gets these weights now (the local engine has them already).
+    if run.rollout.kind != "local":
+        engine.update_weights(params, model_state or None, weight_version="eval", mode="abort")
     logger = MetricsLogger(run.logging, stage_dir, total_steps=1, start_step=0, name=f"eval {stage.name}")
     audit = AuditLog(os.path.join(stage_dir, "audit.jsonl"))
     try:

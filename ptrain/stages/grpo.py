@@ -38,7 +38,7 @@ from ptrain.config import RunConfig
 from ptrain.data.rollouts import policy_batch
 from ptrain.losses.advantages import group_advantages
 from ptrain.rollout.collector import Group, RolloutCollector
-from ptrain.rollout.protocol import SamplingParams
+from ptrain.rollout.protocol import EngineUnavailable, SamplingParams
 from ptrain.stages.common import Algorithm, Stage, setup_stage, tokenizer_for, train_evaluate_export
 from ptrain.stages.env_eval import is_correct
 from ptrain.train.grpo import finalize_policy_metrics, make_policy_objective, policy_denominator, policy_logprobs
@@ -158,6 +158,17 @@ class RolloutBatches:
         return self.collector.collect(n, version=self.version)
 
     def _rollout(self) -> None:
+        before = self.collector.get_state()
+        try:
+            self._rollout_batch()
+        except EngineUnavailable:
+            # Put the task order back where it was, so that a checkpoint saved now resumes
+            # with the same tasks (in async mode unfinished groups are in the state anyway).
+            if self.cfg.mode == "sync":
+                self.collector.set_state(before)
+            raise
+
+    def _rollout_batch(self) -> None:
         cfg = self.cfg
         t0 = time.time()
         stats0 = dict(self.collector.stats)

@@ -20,6 +20,7 @@ from ptrain.data import build_tokenizer, make_sft_iterator, write_generated
 from ptrain.models import Decoder, save_hf
 from ptrain.stages.common import (
     IteratorBatches,
+    StageStopped,
     load_model,
     setup_stage,
     stage_mesh,
@@ -92,3 +93,49 @@ def test_the_loop_seam_calls_after_step_each_step_and_resumes_the_batches(tmp_pa
     again, _ = launch(3)  # the same stage with one more step: resumes from step 2
     assert again.after == [(3, 3, True)] and again.began == [(2, 2)]
     assert len(again.restored) == 1 and "ptrain_examples" in again.restored[0]
+
+
+class UnavailableAt(IteratorBatches):
+    """Batches whose engine cannot sample for step `fail_at` (raised from next())."""
+
+    def __init__(self, iterator, fail_at):
+        super().__init__(iterator)
+        self.fail_at, self.calls = fail_at, 0
+
+    def __next__(self):
+        from ptrain.rollout.protocol import EngineUnavailable
+
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise EngineUnavailable("no healthy worker: http://127.0.0.1:1 (connection refused)")
+        return super().__next__()
+
+
+def test_an_engine_that_cannot_sample_checkpoints_and_stops_the_stage(tmp_path):
+    """The step before the failed one is saved (no periodic checkpoint was due), the stage stops
+    with StageStopped naming the cause, and a re-launch resumes from that step."""
+    run = RunConfig(
+        run_dir=str(tmp_path),
+        model=ModelConfig(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=48, max_seq_len=64),
+        data=DataConfig(generated=GeneratedTaskConfig(n_train=40, n_eval=8), tokenizer_vocab_size=300),
+        train=TrainConfig(steps=4, global_batch_size=2, seq_len=32, eval_every=0, eval_batches=0, eval_generate=0),
+        logging=LoggingConfig(console=False, tensorboard=False, jsonl=True),
+        checkpoint=CheckpointConfig(every_steps=100, async_save=False),
+    )
+    tokenizer = tokenizer_for(run, None)
+    data_cfg = write_generated(run.data, str(tmp_path / "data"))
+    stage_dir = str(tmp_path / "stages" / "sft")
+
+    def launch(batches_of):
+        it = make_sft_iterator(data_cfg, tokenizer, batch_size=2, seq_len=32)
+        stage = setup_stage(run, stage_dir, None, tokenizer, kind="sft", t_start=time.time())
+        return train_evaluate_export(stage, sft_algorithm(run, stage.placed.model_def), batches_of(it),
+                                     report=it.report)  # fmt: skip
+
+    with pytest.raises(StageStopped, match=r"connection refused.*checkpoint at step 2"):
+        launch(lambda it: UnavailableAt(it, fail_at=3))
+    assert os.path.isdir(os.path.join(stage_dir, "checkpoints", "2"))
+    assert not os.path.exists(os.path.join(stage_dir, "DONE.json"))
+    again = RecordingBatches
+    summary = launch(lambda it: again(it))
+    assert summary["steps"] == 4 and os.path.exists(os.path.join(stage_dir, "DONE.json"))

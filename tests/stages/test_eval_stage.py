@@ -55,6 +55,6 @@ def test_eval_stage_reports_every_environment(tmp_path):
     audit = [json.loads(line) for line in open(tmp_path / "stages" / "eval" / "audit.jsonl")]
     assert len(audit) == 2 * 3 * (1 + 2)  # envs x tasks x (greedy + 2 samples)
     assert {r["decoding"] for r in audit} == {"greedy", "sampled"}
-    bad = subprocess.run([sys.executable, "-m", "ptrain", "recipe=eval", f"run_dir={tmp_path}/none"],
+    bad = subprocess.run([sys.executable, "-m", "ptrain", "stages=[{name: e, kind: eval}]", f"run_dir={tmp_path}/none"],
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert bad.returncode == 2 and "env=countdown" in bad.stderr
