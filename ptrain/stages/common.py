@@ -44,6 +44,13 @@ class StageStopped(RuntimeError):
     """The stage saved a resumable checkpoint and stopped (its rollout engine could not sample);
     the message says why and that re-launching resumes."""
 
+    @classmethod
+    def at(cls, stage_name: str, step: int, error: BaseException) -> StageStopped:
+        return cls(
+            f"{error} -- stage '{stage_name}' has its checkpoint at step {step} and stopped; once the engine "
+            "can sample again, re-launch the same command to resume"
+        )
+
 
 def resolved(run: RunConfig) -> dict:
     """The stage's resolved config as plain JSON data (stored in every checkpoint)."""
@@ -234,8 +241,9 @@ class Batches(Protocol):
         ...
 
     def begin(self, step: int, state: TrainState) -> None:
-        """Called once before the loop's first step, with the state it starts from (fresh, or
-        restored at `step`). An RL stage brings its rollout engine to these weights here."""
+        """Called once before the stage's first evaluation and step, with the state it starts
+        from (fresh, or restored at `step`). An RL stage brings its rollout engine to these
+        weights here."""
         ...
 
     def after_step(self, step: int, state: TrainState, metrics: dict) -> None:
@@ -383,15 +391,8 @@ def train_loop(
         if at > saved:
             checkpointer.save(at, state, batches.get_state(), dict(meta, step=at, metrics=last))
         checkpointer.wait()
-        raise StageStopped(
-            f"{error} -- stage '{stage.name}' saved its checkpoint at step {at} and stopped; once the engine "
-            "can sample again, re-launch the same command to resume"
-        ) from error
+        raise StageStopped.at(stage.name, at, error) from error
 
-    try:
-        batches.begin(start_step, state)
-    except EngineUnavailable as e:  # nothing has happened yet: the last checkpoint stands
-        stop(start_step, e)
     for step in range(start_step + 1, total + 1):
         try:
             batch = next(batches)
@@ -419,7 +420,10 @@ def train_loop(
         if evaluate is not None and (step == total or (run.train.eval_every and step % run.train.eval_every == 0)):
             drain(pending)
             pending = None
-            eval_metrics = evaluate(state, step)
+            try:
+                eval_metrics = evaluate(state, step)
+            except EngineUnavailable as e:  # the step trained and is saved; its evaluation is redone
+                stop(step, e)
             logger.log(step, eval_metrics, prefix="eval")
             last.update({f"eval/{k}": v for k, v in eval_metrics.items()})
             t_prev = time.time()  # evaluation time is not training time
@@ -488,11 +492,19 @@ def train_evaluate_export(
     logger = MetricsLogger(
         run.logging, stage.dir, total_steps=run.train.steps, start_step=start_step, name=f"{stage.kind} {stage.name}"
     )
+    from ptrain.rollout.protocol import EngineUnavailable
+
     try:
-        if start_step == 0:
-            logger.log(0, report.as_metrics(prefix=""), prefix="data")
-            if evaluators:
-                logger.log(0, evaluate(state, 0), prefix="eval")
+        try:
+            # First the rollout engine to these weights (an RL stage), so that even the
+            # step-0 evaluation samples from them.
+            batches.begin(start_step, state)
+            if start_step == 0:
+                logger.log(0, report.as_metrics(prefix=""), prefix="data")
+                if evaluators:
+                    logger.log(0, evaluate(state, 0), prefix="eval")
+        except EngineUnavailable as e:  # nothing has happened yet: the last checkpoint stands
+            raise StageStopped.at(stage.name, start_step, e) from e
         state, last = train_loop(
             stage,
             algorithm,

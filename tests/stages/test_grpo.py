@@ -156,3 +156,19 @@ def test_grpo_options_run_together(tmp_path):
     assert "train/reward/mean" in m[0] and "train/reward/mean" not in m[1]
     with pytest.raises(AssertionError, match="multiple of 4"):
         run(tmp_path / "bad", "train.steps=6", "algo.grpo.epochs=2", "algo.grpo.mini_batches=2")
+
+
+@pytest.mark.slow
+def test_a_fleet_with_no_healthy_worker_stops_the_stage_naming_it(tmp_path):
+    """rollout=sglang on a URL where nothing listens: the stage stops before sampling, says which
+    worker answered what, exits 1, and leaves the stage resumable (no DONE.json)."""
+    args = [a for a in TINY if not a.startswith("rollout.")]
+    out = subprocess.run(
+        [sys.executable, "-m", "ptrain", *args, "train.steps=2", "rollout=sglang", "rollout.urls=[http://127.0.0.1:9]",
+         "rollout.unhealthy_timeout_s=3", f"run_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "ptrain: stopped:" in out.stderr and "127.0.0.1:9" in out.stderr, out.stderr[-2000:]
+    assert "re-launch the same command to resume" in out.stderr
+    assert not (tmp_path / "stages" / "grpo" / "DONE.json").exists()
