@@ -125,12 +125,16 @@ def _extend(model_def, params, model_state, caches, row, tokens_1xM, start, n_va
     return caches, jnp.where(jnp.arange(M) < n_valid, lp, 0.0)
 
 
-def _copy_row(caches, src, dst):
-    """Row dst := row src in every layer's keys and values."""
+def _copy_row(caches, src, dst_N):
+    """Rows dst_N[i] := row src in every layer's keys and values, in one call (a GRPO group's
+    n - 1 copies of the prefilled row); a destination >= the row count is skipped (padding)."""
 
     def one(x):
         axis = _cache_axis(x)
-        return jax.lax.dynamic_update_slice_in_dim(x, jax.lax.dynamic_slice_in_dim(x, src, 1, axis=axis), dst, axis)
+        row = jax.lax.dynamic_slice_in_dim(x, src, 1, axis=axis)
+        shape = x.shape[:axis] + (dst_N.shape[0],) + x.shape[axis + 1 :]
+        index = (slice(None),) * axis + (dst_N,)
+        return x.at[index].set(jnp.broadcast_to(row, shape), mode="drop")
 
     return jax.tree.map(one, caches)
 
@@ -799,10 +803,10 @@ class LocalEngine(EngineBase):
             req.admit_time = time.time()
             first = rows[0]
             if src >= 0 and src != first:
-                self._caches = self._copy_fn(self._caches, jnp.int32(src), jnp.int32(first))
+                self._copy_rows(src, [first])
             self._prefill(req, first, prompt, c)
-            for r in rows[1:]:
-                self._caches = self._copy_fn(self._caches, jnp.int32(first), jnp.int32(r))
+            if len(rows) > 1:
+                self._copy_rows(first, rows[1:])
             sp = req.request.sampling
             keys = np.asarray(base_keys(jax.random.key(req.seed), len(req.samples)))
             for j, (s, r) in enumerate(zip(pending, rows)):
@@ -859,6 +863,14 @@ class LocalEngine(EngineBase):
             # lps[i] is the log-prob of prompt[i + 1]; keep tokens max(k, 1) .. L - 1
             allp = np.concatenate(lps) if lps else np.zeros(0, np.float32)
             req.prompt_logprobs = tuple(float(x) for x in allp[max(k, 1) - 1 :])
+
+    def _copy_rows(self, src: int, dsts: list[int]) -> None:
+        """Copy row src into every row of dsts (one call; the count padded to a power of two)."""
+        R = self.max_running_requests
+        n = _bucket(len(dsts), 1, R)
+        dst = np.full(n, R, np.int32)  # R: no such row, the write is dropped
+        dst[: len(dsts)] = dsts
+        self._caches = self._copy_fn(self._caches, jnp.int32(src), jnp.asarray(dst))
 
     # ------------------------------------------------------------------ decoding
 
