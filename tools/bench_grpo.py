@@ -419,6 +419,20 @@ def run_trl(peers_dir: str, scripts: str, steps: int, new_tokens: int) -> dict:
     return out
 
 
+def rates_in_subprocess(args) -> tuple[float, float]:
+    """machine_rates in a fresh process (the driver itself never starts JAX)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--rates-only"] + (["--small"] if args.small else [])
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return tuple(json.loads(out.strip().splitlines()[-1]))
+
+
+def floor_at(floor: dict, gflops: float, gbs: float) -> float:
+    """step_floor's floor_s for the same work at other rates."""
+    gen = max(floor["gen_gflop"] / gflops, floor["gen_gbyte"] / gbs)
+    train = max(floor["train_gflop"] / gflops, floor["train_gbyte"] / gbs)
+    return gen + train
+
+
 def trl_summary(r: dict) -> dict:
     """Median step and the parts TRL's script records, and the completion lengths it logged."""
     brk = {k: v["median"] for k, v in r.get("breakdown", {}).items()}
@@ -475,10 +489,13 @@ def print_mode(r: dict) -> None:
 
 def print_trl(t: dict) -> None:
     parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(t["breakdown_s"].items()))
+    lengths = t["completion_length_mean"]
     print(
         f"TRL GRPOTrainer: {t['step_s']:.2f} s/step (median; steps {[round(x, 2) for x in t['step_times']]}); "
-        f"{parts}; completions {t['completion_length_mean']} tokens (clipped ratio {t['clipped_ratio_mean']}); "
-        f"peak RSS {t['peak_rss_gib']:.2f} GiB",
+        f"{parts}; " + (f"completions {lengths:.1f} tokens; " if lengths is not None else "") + f"peak RSS "
+        f"{t['peak_rss_gib']:.2f} GiB; {t['times_floor']:.2f}x the same floor at the rates around its run "
+        f"({t['floor_s']:.2f} s; matmul before / after {t['matmul_gflops_before_after'][0]:.0f} / "
+        f"{t['matmul_gflops_before_after'][1]:.0f} GFLOP/s)",
         flush=True,
     )
 
@@ -527,7 +544,11 @@ def main(argv=None) -> None:
     ap.add_argument("--trl-steps", type=int, default=4, help="TRL's steps (its script drops the first)")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rates-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.rates_only:  # for the driver, around TRL's run: a process of its own, as the modes have
+        print(json.dumps(machine_rates(args.small)))
+        return
     if args.with_trl and not args.tokenizer:
         args.tokenizer = os.path.join(args.with_trl, "models", "tokenizer")
         if not os.path.isfile(os.path.join(args.tokenizer, "tokenizer.json")):
@@ -559,19 +580,32 @@ def main(argv=None) -> None:
             print(f"  (load average after: {res['load_average_after']})", flush=True)
             results.append(res)
         if args.with_trl:
+            before = rates_in_subprocess(args)
             t = trl_summary(run_trl(args.with_trl, args.trl_scripts, args.trl_steps, args.new_tokens))
-            t.update(round=r, load_average_after=load_average())
+            after = rates_in_subprocess(args)
+            gflops, gbs = max(before[0], after[0]), max(before[1], after[1])
+            # TRL's step does the same work (generation, then one forward and backward over the
+            # same tokens: beta 0, one iteration), so the floor of ours at the rates around its run.
+            floor = floor_at(results[-1]["floor"], gflops, gbs)
+            t.update(round=r, load_average_after=load_average(), matmul_gflops_before_after=[before[0], after[0]],
+                     floor_s=floor, times_floor=t["step_s"] / floor)  # fmt: skip
             print_trl(t)
             print(f"  (load average after: {t['load_average_after']})", flush=True)
             results.append(t)
-    trl = [x["step_s"] for x in results if x["side"] == "trl"]
+    trl = [x for x in results if x["side"] == "trl"]
     for mode in modes:
-        ours = [x["median"]["step_s"] for x in results if x.get("mode") == mode]
+        mine = [x for x in results if x.get("mode") == mode]
+        ours = [x["median"]["step_s"] for x in mine]
         line = f"ptrain {mode}: {statistics.median(ours):.2f} s/step over {len(ours)} round(s) {[round(x, 2) for x in ours]}"
         if trl:
-            by_round = [t / o for t, o in zip(trl, ours)]
-            line += (f"; TRL {statistics.median(trl):.2f} s/step {[round(x, 2) for x in trl]}; TRL / ptrain per round "
-                     f"{[round(x, 2) for x in by_round]}, median {statistics.median(by_round):.2f}x")  # fmt: skip
+            by_round = [t["step_s"] / o for t, o in zip(trl, ours)]
+            # The same ratio with each side's step divided by the floor at the rates measured
+            # around it: how far each is from the machine's limit as it was during its run.
+            by_floor = [t["times_floor"] / (o["median"]["step_s"] / o["floor"]["floor_s"]) for t, o in zip(trl, mine)]
+            line += (f"; TRL {statistics.median(x['step_s'] for x in trl):.2f} s/step "
+                     f"{[round(x['step_s'], 2) for x in trl]}; TRL / ptrain per round {[round(x, 2) for x in by_round]}, "
+                     f"median {statistics.median(by_round):.2f}x; as multiples of the floor during each run "
+                     f"{[round(x, 2) for x in by_floor]}, median {statistics.median(by_floor):.2f}x")  # fmt: skip
         print(line, flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tools.bench_grpo import digit_share, random_words, rows_of, step_floor
+from tools.bench_grpo import digit_share, floor_at, random_words, rows_of, step_floor
 
 
 def test_bench_grpo_times_a_sync_step_of_the_real_stage(tmp_path):
@@ -73,3 +73,6 @@ def test_floor_counts_one_prefill_per_group_and_every_sampled_token():
     # each phase is bound by the slower of its FLOPs and its bytes
     assert f["gen_floor_s"] == pytest.approx(max(f["gen_gflop"] / 100.0, f["gen_gbyte"] / 10.0))
     assert f["floor_s"] == pytest.approx(f["gen_floor_s"] + f["train_floor_s"])
+    # TRL's step is put against the same work at the rates measured around its own run
+    assert floor_at(f, 100.0, 10.0) == pytest.approx(f["floor_s"])
+    assert floor_at(f, 200.0, 20.0) == pytest.approx(f["floor_s"] / 2)
