@@ -321,6 +321,16 @@ def _covered(path: str, roots: Sequence[str]) -> bool:
     return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
 
 
+HOST_UNDER_SCRATCH = "/opt/ptrain-host"
+"""Where a host folder to expose that lives under /tmp (a virtualenv in a clone under /tmp)
+appears in the sandbox: /tmp itself is the scratch tmpfs, which would hide it."""
+
+
+def _sandbox_path(host_path: str) -> str:
+    """The sandbox path a host folder is exposed at: the same, unless the scratch hides it."""
+    return HOST_UNDER_SCRATCH + host_path if _covered(host_path, [SCRATCH_DIR]) else host_path
+
+
 def _host_view(cfg: SandboxConfig) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     """(binds [(host source, sandbox path)], symlinks [(link text, sandbox path)])."""
     wanted = list(cfg.ro_paths)
@@ -329,18 +339,20 @@ def _host_view(cfg: SandboxConfig) -> tuple[list[tuple[str, str]], list[tuple[st
     real_dirs = [os.path.realpath(p) for p in wanted if os.path.exists(p) and not os.path.islink(p)]
     binds: list[tuple[str, str]] = []
     links: list[tuple[str, str]] = []
+    done: list[str] = []  # host paths already exposed
     for p in wanted:
         p = os.path.normpath(p)
-        if not os.path.exists(p) or _covered(p, [d for _, d in binds] + [d for _, d in links]):
+        if not os.path.exists(p) or _covered(p, done):
             continue
+        done.append(p)
         if os.path.islink(p):
             real = os.path.realpath(p)
             if _covered(real, real_dirs):
-                links.append((os.readlink(p), p))
+                links.append((os.readlink(p), _sandbox_path(p)))
             else:
-                binds.append((real, p))
+                binds.append((real, _sandbox_path(p)))
         else:
-            binds.append((os.path.realpath(p), p))
+            binds.append((os.path.realpath(p), _sandbox_path(p)))
     binds.sort(key=lambda b: b[1])
     return binds, links
 
@@ -358,7 +370,7 @@ def _ancestors(paths: Sequence[str]) -> list[str]:
 def _sandbox_env(cfg: SandboxConfig) -> dict[str, str]:
     path = "/usr/local/bin:/usr/bin:/bin"
     if cfg.expose_python and sys.executable:
-        path = os.path.dirname(os.path.abspath(sys.executable)) + ":" + path
+        path = _sandbox_path(os.path.dirname(os.path.abspath(sys.executable))) + ":" + path
     env = {
         "PATH": path,
         "HOME": SCRATCH_DIR,
