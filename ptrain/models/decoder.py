@@ -348,10 +348,11 @@ class Decoder(nnx.Module):
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> dict:
     """Zero KV cache pytree for `Decoder.decode_step`, keys and values in the compute dtype
     (or `dtype`): per layer group (keyed by `LayerGroup.cache_key`: "dense", "moe", "dense_1",
-    ...), a list of per-layer (k, v) [B, max_len, K, Dh], or with scan_layers one stacked
-    (k, v) [n_layers_in_group, B, max_len, K, Dh]."""
+    ...), a list of per-layer (k, v) [B, K, max_len, Dh], or with scan_layers one stacked
+    (k, v) [n_layers_in_group, B, K, max_len, Dh]. Head-major, so that a row's keys for one
+    head are contiguous (`ptrain.models.layers.attend_cached`)."""
     dt = as_dtype(dtype or cfg.dtype)
-    shape = (batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+    shape = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)
     caches = {}
     for g in layer_groups(cfg):
         if cfg.scan_layers:

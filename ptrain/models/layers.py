@@ -164,6 +164,29 @@ def attend(q_BxTxHxDh: jax.Array, k_BxSxKxDh: jax.Array, v_BxSxKxDh: jax.Array, 
     return out.reshape(B, T, H, Dh)
 
 
+def attend_cached(
+    q_BxTxHxDh: jax.Array, k_BxKxSxDh: jax.Array, v_BxKxSxDh: jax.Array, mask_BxTxS: jax.Array
+) -> jax.Array:
+    """`attend` against a head-major KV cache ([B, K, S, Dh], as `init_cache` lays it out).
+
+    Per (row, kv head) the keys are one contiguous [S, Dh] block, so both products are
+    batched matmuls over contiguous operands; with the cache stored [B, S, K, Dh] XLA:CPU
+    strided through it, and the engine's decode ran 1.1-1.3x slower (docs/performance.md,
+    issue 15).
+    """
+    B, T, H, Dh = q_BxTxHxDh.shape
+    K = k_BxKxSxDh.shape[1]
+    q = q_BxTxHxDh.reshape(B, T, K, H // K, Dh).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, Dh]
+    s = jnp.einsum("bkgtd,bksd->bkgts", q, k_BxKxSxDh, preferred_element_type=jnp.float32)
+    s = s * (1.0 / math.sqrt(Dh))
+    s = jnp.where(mask_BxTxS[:, None, None, :, :], s, _MASK_VALUE)
+    p = jax.nn.softmax(s, axis=-1).astype(v_BxKxSxDh.dtype)
+    # Output head-major too, then one small transpose: asked for [B, T, K, G, Dh] directly,
+    # XLA:CPU computed V^T p with the result transposed, 1.3x slower for the whole step.
+    out = jnp.einsum("bkgts,bksd->bkgtd", p, v_BxKxSxDh)
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh)
+
+
 ATTN_QUERY_CHUNK = 64
 """Query block of the causal self-attention without a cache. Each block attends only to
 keys up to its own end (and from its sliding-window start), skipping the masked upper
@@ -305,7 +328,7 @@ class Attention(nnx.Module):
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         """Self-attention over x. Returns (out [B, T, D], updated cache or None).
 
-        With `kv_cache` (k, v, each [R, S_max, K, Dh], R >= B): the batch is cache rows
+        With `kv_cache` (k, v, each [R, K, S_max, Dh], R >= B): the batch is cache rows
         [0, B). The T new keys/values of row b are written at slots cache_index + [0, T):
         `cache_index` is a scalar (every row the same) or a [B] vector of per-row slots,
         where a slot >= S_max writes nothing (an idle row of a serving batch). Queries attend
@@ -322,21 +345,23 @@ class Attention(nnx.Module):
             out = causal_attend(q, k, v, mask_BxTxS, self.sliding_window)
             return jnp.einsum("blnh,nhd->bld", out, self.o[...].astype(self.dtype)), None
         ck, cv = kv_cache
-        B, T = k.shape[:2]
+        B, T, K = k.shape[:3]
+        k_new, v_new = k.transpose(0, 2, 1, 3).astype(ck.dtype), v.transpose(0, 2, 1, 3).astype(cv.dtype)
         cache_index = jnp.asarray(cache_index, jnp.int32)
         if cache_index.ndim == 0:
             zero = jnp.zeros((), jnp.int32)
-            start = (zero, cache_index, zero, zero)
-            ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), start)
-            cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), start)
+            start = (zero, zero, cache_index, zero)
+            ck = jax.lax.dynamic_update_slice(ck, k_new, start)
+            cv = jax.lax.dynamic_update_slice(cv, v_new, start)
         else:
-            rows_Bx1 = jnp.arange(B, dtype=jnp.int32)[:, None]
-            slots_BxT = cache_index[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-            ck = ck.at[rows_Bx1, slots_BxT].set(k.astype(ck.dtype), mode="drop")
-            cv = cv.at[rows_Bx1, slots_BxT].set(v.astype(cv.dtype), mode="drop")
+            rows = jnp.arange(B, dtype=jnp.int32)[:, None, None]
+            heads = jnp.arange(K, dtype=jnp.int32)[None, :, None]
+            slots = (cache_index[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :])[:, None, :]
+            ck = ck.at[rows, heads, slots].set(k_new, mode="drop")
+            cv = cv.at[rows, heads, slots].set(v_new, mode="drop")
         S = mask_BxTxS.shape[-1]
-        keys, values = ck[:B, :S].astype(self.dtype), cv[:B, :S].astype(self.dtype)
-        out = attend(q, keys, values, mask_BxTxS)
+        keys, values = ck[:B, :, :S].astype(self.dtype), cv[:B, :, :S].astype(self.dtype)
+        out = attend_cached(q, keys, values, mask_BxTxS)
         return jnp.einsum("blnh,nhd->bld", out, self.o[...].astype(self.dtype)), (ck, cv)
 
 

@@ -94,7 +94,7 @@ def _bucket(n: int, lo: int, hi: int) -> int:
 
 
 def _cache_axis(x: jax.Array) -> int:
-    """Row axis of a cache leaf: [R, S, K, Dh] per layer, or [n_layers, R, S, K, Dh] stacked."""
+    """Row axis of a cache leaf: [R, K, S, Dh] per layer, or [n_layers, R, K, S, Dh] stacked."""
     return x.ndim - 4
 
 
@@ -376,7 +376,7 @@ class LocalEngine(EngineBase):
         from ptrain.parallel.sharding import DEFAULT_RULES, logical_to_spec
 
         def one(a):
-            names = (None,) * (a.ndim - 2) + ("kv_heads", "head_dim")
+            names = (None,) * (a.ndim - 3) + ("kv_heads", None, "head_dim")
             spec = logical_to_spec(names, a.shape, self.mesh, self._rules or DEFAULT_RULES)
             return jax.device_put(jnp.zeros(a.shape, a.dtype), jax.sharding.NamedSharding(self.mesh, spec))
 

@@ -179,6 +179,23 @@ def test_blocked_causal_attention_equals_the_full_masked_softmax(window):
         np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=5e-2, rtol=5e-2, err_msg=f"bf16 d{name}")
 
 
+def test_attention_against_the_head_major_cache_equals_attend():
+    """Decode and prefill chunks (T = 1 and 5 queries) against a [B, K, S, Dh] cache."""
+    from ptrain.models.layers import attend, attend_cached
+
+    B, S, H, K, Dh = 3, 24, 4, 2, 8
+    ks = jax.random.split(jax.random.key(2), 3)
+    k = jax.random.normal(ks[1], (B, S, K, Dh))
+    v = jax.random.normal(ks[2], (B, S, K, Dh))
+    for T in (1, 5):
+        q = jax.random.normal(ks[0], (B, T, H, Dh))
+        slots = jnp.asarray([[3], [10], [S - T]]) + jnp.arange(T)[None, :]
+        mask = jnp.arange(S)[None, None, :] <= slots[:, :, None]
+        want = attend(q, k, v, mask)
+        got = attend_cached(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask)
+        np.testing.assert_allclose(got, want, atol=1e-5, err_msg=f"T={T}")
+
+
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
 def test_swiglu_backward_matches_autodiff(dtype, tol):
     """The MLP's hand-written backward pass against autodiff of the same formula."""
