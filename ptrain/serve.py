@@ -18,7 +18,7 @@ import logging
 import os
 import sys
 
-from ptrain.rollout.server import DEFAULT_MAX_REQUEST_BYTES
+from ptrain.rollout.server import DEFAULT_MAX_REQUEST_BYTES, read_json_file
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -77,10 +77,33 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_address(p: argparse.ArgumentParser, host: str, port: int) -> None:
+    """A host that does not resolve or a port in use ends here, not after the model has loaded."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as e:
+        p.error(f"--host {host}: not an address of this machine ({e})")
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a TIME_WAIT port is free
+        try:
+            s.bind(address)
+        except OSError as e:
+            p.error(
+                f"--port {port}: cannot listen on {host}:{port} ({e.strerror}); pass another --port or stop what uses it"
+            )
+
+
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Mistakes in the command line end with one message (exit 2) before any model loads."""
     if not os.path.isfile(os.path.join(args.model_path, "config.json")):
         p.error(f"--model-path {args.model_path}: no config.json there; pass a Hugging Face model folder")
+    try:
+        read_json_file(os.path.join(args.model_path, "config.json"))
+    except ValueError as e:
+        p.error(f"--model-path {args.model_path}: {e}")
     if args.tokenizer_path and not os.path.isdir(args.tokenizer_path):
         p.error(f"--tokenizer-path {args.tokenizer_path}: not a folder")
     if args.chat_template and not os.path.isfile(args.chat_template):
@@ -95,6 +118,9 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     ):
         if value is not None and value < low:
             p.error(f"{flag}: must be >= {low}, got {value}")
+    if args.port > 65535:  # the socket layer would bind port % 65536 without a word
+        p.error(f"--port: must be <= 65535, got {args.port}")
+    check_address(p, args.host, args.port)
     if args.dtype == "auto":
         args.dtype = "float32"
 

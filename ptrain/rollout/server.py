@@ -952,15 +952,27 @@ def load_tokenizer(path: str):
             f"no tokenizer in '{path}' (tokenizer.json or tokenizer_config.json); pass --tokenizer-path DIR, "
             "or --skip-tokenizer-init to serve token-id prompts only"
         )
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:  # transformers' message alone names no file for a corrupt one
+        raise ValueError(
+            f"the tokenizer in '{path}' does not load ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+            "copy or convert its tokenizer files again, or pass --tokenizer-path DIR"
+        ) from None
 
 
 def read_json_file(path: str) -> dict:
-    """A JSON file as a dict ({} when absent)."""
+    """A JSON file as a dict ({} when absent); ValueError naming the file when it is not one."""
     if not os.path.isfile(path):
         return {}
     with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        try:
+            data = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{path} is not valid JSON ({e}); copy or convert the model folder again") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
 
 
 def sampling_defaults_of(model_path: str) -> dict:

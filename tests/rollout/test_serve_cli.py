@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import os
+import socket
 import subprocess
 import sys
 
@@ -48,13 +49,25 @@ def test_flags_are_sglangs_where_sglang_has_them():
         (["--model-path", "{model}", "--chat-template", "/no/such.jinja"], "no such file"),
         (["--model-path", "{model}", "--dtype", "int4"], "invalid choice"),
         (["--port", "30000"], "--model-path"),
+        (["--model-path", "{model}", "--port", "70000"], "--port: must be <= 65535"),
+        (["--model-path", "{model}", "--port", "{busy}"], "Address already in use); pass another --port"),
+        (["--model-path", "{model}", "--host", "no.such.host.invalid"], "--host no.such.host.invalid: not an address"),
+        (["--model-path", "{corrupt}"], "config.json is not valid JSON"),
     ],
 )
-def test_command_line_mistakes_exit_2_with_one_message(argv, message, served_model_dir):
-    argv = [a.replace("{model}", served_model_dir) for a in argv]
+def test_command_line_mistakes_exit_2_with_one_message(argv, message, served_model_dir, tmp_path):
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "config.json").write_text('{"model_type": "qwen3",')
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    subs = {"{model}": served_model_dir, "{corrupt}": str(corrupt), "{busy}": str(busy.getsockname()[1])}
+    argv = [subs.get(a, a) for a in argv]
     out = subprocess.run(
         [sys.executable, "-m", "ptrain.serve", *argv], capture_output=True, text=True, cwd=ROOT, timeout=120
     )
+    busy.close()
     assert out.returncode == 2, out.stderr
     assert message in out.stderr and "Traceback" not in out.stderr, out.stderr
 
@@ -73,3 +86,21 @@ def test_a_folder_without_tokenizer_says_what_to_pass(tmp_path, served_model_dir
         timeout=300,
     )
     assert out.returncode == 1 and "--skip-tokenizer-init" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_a_corrupt_tokenizer_names_its_folder(tmp_path, served_model_dir):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for name in os.listdir(served_model_dir):
+        if name != "tokenizer.json":
+            os.symlink(os.path.join(served_model_dir, name), folder / name)
+    (folder / "tokenizer.json").write_text('{"version": "1.0",')
+    out = subprocess.run(
+        [sys.executable, "-m", "ptrain.serve", "--model-path", str(folder)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert f"the tokenizer in '{folder}' does not load" in out.stderr, out.stderr
