@@ -21,6 +21,7 @@ Jax-free: config validation imports it before any device is touched.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -392,6 +393,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         return value
     if tp is float:
         _check(isinstance(value, int | float) and not isinstance(value, bool), key, f"must be a number, got {value!r}")
+        # No option means anything at inf or nan: an infinite timeout overflows the waits
+        # that use it, an infinite reward or penalty turns every advantage into nan.
+        _check(math.isfinite(value), key, f"must be a finite number, got {value!r}")
         return float(value)
     if tp is str:
         _check(isinstance(value, str), key, f"must be a string, got {value!r}")
@@ -428,6 +432,11 @@ def build_options(cls: type, options: Mapping[str, Any] | None, where: str) -> A
     return opts
 
 
+MAX_TIMEOUT_S = 86400.0
+"""Longest reward timeout: waits on a worker's pipe take whole milliseconds as a C int
+(about 24 days), and no reward computation needs more than a day."""
+
+
 def validate_env_config(cfg: EnvConfig) -> Any:
     """Check an EnvConfig and return its typed options (the kind's dataclass).
 
@@ -449,7 +458,11 @@ def validate_env_config(cfg: EnvConfig) -> Any:
         f"must be a non-empty name without '/' or surrounding spaces, and not 'all' (the metrics of "
         f"every environment together), got {name!r}",
     )
-    _check(cfg.weight > 0, f"{where}.weight", f"must be > 0 (a share of the mix), got {cfg.weight}")
+    _check(
+        0 < cfg.weight < math.inf,
+        f"{where}.weight",
+        f"must be a finite number > 0 (a share of the mix), got {cfg.weight}",
+    )
     _check(cfg.n_train >= 1, f"{where}.n_train", f"must be >= 1, got {cfg.n_train}")
     _check(cfg.n_eval >= 0, f"{where}.n_eval", f"must be >= 0, got {cfg.n_eval}")
     _check(cfg.seed is None or cfg.seed >= 0, f"{where}.seed", f"must be >= 0 or null, got {cfg.seed}")
@@ -458,7 +471,11 @@ def validate_env_config(cfg: EnvConfig) -> Any:
         f"{where}.max_new_tokens",
         f"must be >= 1 or null (the stage's budget), got {cfg.max_new_tokens}",
     )
-    _check(cfg.reward_timeout_s > 0, f"{where}.reward_timeout_s", f"must be > 0 seconds, got {cfg.reward_timeout_s}")
+    _check(
+        0 < cfg.reward_timeout_s <= MAX_TIMEOUT_S,
+        f"{where}.reward_timeout_s",
+        f"must be > 0 and at most {MAX_TIMEOUT_S:g} seconds (one day), got {cfg.reward_timeout_s}",
+    )
     _check(cfg.reward_workers >= 1, f"{where}.reward_workers", f"must be >= 1, got {cfg.reward_workers}")
     _check(isinstance(cfg.options, Mapping), f"{where}.options", f"must be a mapping, got {cfg.options!r}")
     cls = KIND_OPTIONS.get(cfg.kind)

@@ -61,12 +61,33 @@ def test_options_are_typed_and_checked():
     bad(r"'env\.code\.options\.test_timeout_s': must be > 0", kind="code", options={"test_timeout_s": 0})
     bad(r"'env\.x\.kind': unknown environment kind 'chess'; valid kinds: arithmetic, countdown", kind="chess",
         name="x")  # fmt: skip
-    bad(r"'env\.arithmetic\.weight': must be > 0", weight=0.0)
+    bad(r"'env\.arithmetic\.weight': must be a finite number > 0", weight=0.0)
     bad(r"'env\.arithmetic\.n_train': must be >= 1", n_train=0)
     bad(r"'env\.arithmetic\.reward_timeout_s': must be > 0", reward_timeout_s=0)
     bad(r"'env\.a/b\.name'", name="a/b")
     bad(r"'env\.all\.name'.*not 'all'", name="all")
     bad(r"'env\.arithmetic\.max_new_tokens': must be >= 1 or null", max_new_tokens=0)
+
+
+def test_infinite_numbers_are_refused_by_name():
+    """inf passes every `> 0` check, yet an infinite reward timeout overflows the wait on the
+    reward worker (OverflowError deep in selectors) and an infinite penalty makes the
+    advantages nan: each is a config error naming the key."""
+
+    def bad(match, **kw):
+        with pytest.raises(EnvConfigError, match=match):
+            validate_env_config(EnvConfig(**kw))
+
+    inf = float("inf")
+    bad(r"'env\.arithmetic\.reward_timeout_s': must be > 0 and at most 86400 seconds", reward_timeout_s=inf)
+    bad(r"'env\.arithmetic\.reward_timeout_s': must be > 0 and at most 86400 seconds", reward_timeout_s=1e9)
+    bad(r"'env\.arithmetic\.weight': must be a finite number > 0", weight=inf)
+    bad(r"'env\.code\.options\.test_timeout_s': must be a finite number, got inf", kind="code",
+        options={"test_timeout_s": inf})  # fmt: skip
+    bad(r"'env\.tool_use\.options\.invalid_call_penalty': must be a finite number, got inf", kind="tool_use",
+        options={"invalid_call_penalty": inf})  # fmt: skip
+    bad(r"'env\.countdown\.options\.correct_reward': must be a finite number, got nan", kind="countdown",
+        options={"correct_reward": float("nan")})  # fmt: skip
 
 
 def test_names_are_distinct_within_a_stage():
