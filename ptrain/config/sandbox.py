@@ -10,6 +10,10 @@ import math
 from dataclasses import dataclass, field
 
 BACKENDS = ("auto", "bwrap", "unshare", "none")
+MAX_SECONDS = 86400
+"""Longest wall timeout and CPU-time limit of one run (a day)."""
+MAX_RLIMIT = 2**63 - 1
+"""Largest value setrlimit takes (a signed 64-bit rlim_t in Python's resource module)."""
 
 
 @dataclass
@@ -81,10 +85,12 @@ class SandboxConfig:
                 "sandbox.network=true is not supported: sandboxed code never gets a network "
                 "(its loopback is its own); serve what it needs through files= instead"
             )
-        if not self.timeout_s > 0:
-            raise ValueError(f"sandbox.timeout_s={self.timeout_s}: must be > 0 seconds")
-        if self.cpu_time_s is not None and not self.cpu_time_s > 0:
-            raise ValueError(f"sandbox.cpu_time_s={self.cpu_time_s}: must be > 0 seconds or null")
+        if not 0 < self.timeout_s <= MAX_SECONDS:
+            raise ValueError(f"sandbox.timeout_s={self.timeout_s}: must be > 0 and at most {MAX_SECONDS} seconds")
+        if self.cpu_time_s is not None and not 0 < self.cpu_time_s <= MAX_SECONDS:
+            raise ValueError(
+                f"sandbox.cpu_time_s={self.cpu_time_s}: must be > 0 and at most {MAX_SECONDS} seconds, or null"
+            )
         for name in (
             "memory_mb",
             "max_processes",
@@ -99,6 +105,12 @@ class SandboxConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"sandbox.{name}={value!r}: must be a positive integer")
+        for name in ("memory_mb", "file_size_mb"):
+            value = getattr(self, name)
+            if value << 20 > MAX_RLIMIT:
+                raise ValueError(
+                    f"sandbox.{name}={value}: more bytes than an rlimit holds; pass at most {MAX_RLIMIT >> 20}"
+                )
         if self.max_processes < 4:
             raise ValueError(
                 f"sandbox.max_processes={self.max_processes}: must be >= 4 (the sandbox's PID 1 "

@@ -403,6 +403,49 @@ def _rlimits(cfg: SandboxConfig) -> list[tuple[str, int, int]]:
     ]
 
 
+_LIMIT_FIELDS = {
+    "RLIMIT_CPU": ("cpu_time_s", 0),
+    "RLIMIT_AS": ("memory_mb", 20),
+    "RLIMIT_NPROC": ("max_processes", 0),
+    "RLIMIT_FSIZE": ("file_size_mb", 20),
+    "RLIMIT_NOFILE": ("max_open_files", 0),
+}
+"""The config field behind each rlimit, and the shift from its unit to the rlimit's."""
+
+
+def _can_raise_hard_limits() -> bool:
+    """This process holds CAP_SYS_RESOURCE (bit 24 of its effective capabilities)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> 24 & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def _check_host_limits(cfg: SandboxConfig) -> None:
+    """ValueError naming the field whose limit is above this process's own hard limit: no
+    backend can set it there, and the backend probe would fail as if nothing isolated."""
+    if _can_raise_hard_limits():
+        return
+    for name, _, hard in _rlimits(cfg):
+        if name not in _LIMIT_FIELDS:
+            continue
+        field, shift = _LIMIT_FIELDS[name]
+        host = resource.getrlimit(getattr(resource, name))[1]
+        if host == resource.RLIM_INFINITY or hard <= host:
+            continue
+        value = getattr(cfg, field)
+        if field == "cpu_time_s" and value is None:
+            field, value = "timeout_s", cfg.timeout_s
+        raise ValueError(
+            f"sandbox.{field}={value}: above this process's hard limit {name}={host >> shift}, which the "
+            f"sandbox cannot raise; pass at most {(host >> shift) - (name == 'RLIMIT_CPU')}, or start the "
+            "process with a higher hard limit (ulimit -H)"
+        )
+
+
 def _prlimit_args(prlimit: str, cfg: SandboxConfig) -> list[str]:
     cpu = cfg.effective_cpu_time_s
     return [
@@ -1027,6 +1070,7 @@ class Sandbox:
     def __init__(self, cfg: SandboxConfig | None = None):
         cfg = cfg or SandboxConfig()
         cfg.validate()
+        _check_host_limits(cfg)
         self.cfg = cfg
         self._env = _sandbox_env(cfg)
         if cfg.backend == "auto":

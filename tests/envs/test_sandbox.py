@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import os
+import resource
 import shutil
 import socket
 import stat
@@ -486,6 +487,33 @@ def test_config_errors_name_the_field():
                           ({"ro_paths": ("/",)}, "ro_paths")):  # fmt: skip
         with pytest.raises(ValueError, match=f"sandbox.{field}"):
             Sandbox(SandboxConfig(**fields))
+
+
+def test_limits_no_rlimit_can_hold_are_config_errors(tmp_path):
+    """An infinite timeout overflowed RLIMIT_CPU's conversion (a raw OverflowError), and a
+    memory cap past 2**63 bytes failed the backend probe, which then said to install bwrap."""
+    for fields, match in (
+        ({"timeout_s": float("inf")}, r"sandbox\.timeout_s=inf: must be > 0 and at most 86400 seconds"),
+        ({"cpu_time_s": 1e30}, r"sandbox\.cpu_time_s=1e\+30: must be > 0 and at most 86400 seconds"),
+        ({"memory_mb": 2**50}, r"sandbox\.memory_mb=\d+: more bytes than an rlimit holds; pass at most 8796093022207"),
+        ({"file_size_mb": 2**43}, r"sandbox\.file_size_mb"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            Sandbox(SandboxConfig(**fields))
+    p = _cli("--timeout", "inf", "--", "true")
+    assert p.returncode == 125 and p.stderr.startswith(b"ptrain.sandbox: sandbox.timeout_s=inf: must be > 0")
+
+
+@pytest.mark.skipif(sandbox_module._can_raise_hard_limits(), reason="this process may raise its hard limits")
+def test_a_limit_above_the_hosts_hard_limit_names_the_field():
+    """No backend can raise a hard limit without CAP_SYS_RESOURCE: the probe failed and the
+    error blamed the isolation (install bubblewrap, allow user namespaces) instead."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard == resource.RLIM_INFINITY:
+        pytest.skip("no hard limit on open files here")
+    with pytest.raises(ValueError, match=rf"sandbox\.max_open_files={hard + 1}: above this process's hard limit "
+                       rf"RLIMIT_NOFILE={hard}, which the sandbox cannot raise; pass at most {hard}"):  # fmt: skip
+        Sandbox(SandboxConfig(max_open_files=hard + 1))
 
 
 # ----------------------------------------------------------------------------------------
