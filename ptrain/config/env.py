@@ -357,6 +357,19 @@ class ReasoningGymOptions:
                 f"{where}.dataset_configs.{name}",
                 f"unknown key(s) {bad} for {config_cls.__name__}; valid keys: {', '.join(valid)}",
             )
+        for name in self.datasets:
+            # The dataset's own checks (asserts in its config's validate()), here rather than
+            # as a traceback when the stage builds the tasks.
+            _, config_cls = DATASETS[name]
+            try:
+                config = config_cls(**self.dataset_configs.get(name, {}), size=1, seed=0)
+                if hasattr(config, "validate"):
+                    config.validate()
+            except Exception as e:
+                raise EnvConfigError(
+                    f"config key '{where}.dataset_configs.{name}': {config_cls.__name__} refuses it: "
+                    f"{type(e).__name__}: {e}"
+                ) from None
         for name, w in self.dataset_weights.items():
             _check(
                 isinstance(w, int | float) and not isinstance(w, bool) and w > 0,

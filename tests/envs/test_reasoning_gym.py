@@ -75,6 +75,13 @@ def test_bad_options_name_the_key():
     check({"datasets": ["leg_counting"], "dataset_weights": {"basic_arithmetic": 1}}, r"not in datasets")
     check({"datasets": ["leg_counting"], "dataset_weights": {"leg_counting": 0}}, r"must be a number > 0")
     check({"dataset": ["leg_counting"]}, r"options\.dataset'.*valid keys: datasets, dataset_configs")
+    # Values the dataset's own config refuses: an AssertionError or TypeError from
+    # reasoning-gym when the stage built the tasks, after the model had loaded.
+    check({"datasets": ["leg_counting"], "dataset_configs": {"leg_counting": {"min_animals": -1}}},
+          r"'env\.reasoning_gym\.options\.dataset_configs\.leg_counting': LegCountingConfig refuses it: "
+          r"AssertionError: min_animals must be positive")  # fmt: skip
+    check({"datasets": ["leg_counting"], "dataset_configs": {"leg_counting": {"min_animals": "two"}}},
+          r"dataset_configs\.leg_counting': LegCountingConfig refuses it: TypeError")  # fmt: skip
 
 
 def test_allocate_sums_and_follows_weights():
