@@ -141,6 +141,28 @@ def split_tests(source: str) -> tuple[list[str], list[str]]:
     return setup, tests
 
 
+def check_row(row: dict[str, Any]) -> str | None:
+    """What is wrong with a JSONL row's prompt or tests, or None. A test that does not parse
+    would fail for every completion, so the task could never be solved."""
+    if not isinstance(row["prompt"], str) or not row["prompt"].strip():
+        return f"prompt must be a non-empty string, got {row['prompt']!r}"
+    tests = row["tests"]
+    if isinstance(tests, str):
+        try:
+            _, asserts = split_tests(tests)
+        except SyntaxError as e:
+            return f"its tests do not parse as Python ({e})"
+        return None if asserts else "its tests hold no top-level assert"
+    if not isinstance(tests, list) or not tests or not all(isinstance(t, str) for t in tests):
+        return "tests must be a non-empty list of Python sources, or a string with top-level asserts"
+    for i, test in enumerate(tests):
+        try:
+            ast.parse(test)
+        except SyntaxError as e:
+            return f"tests[{i}] does not parse as Python ({e})"
+    return None
+
+
 def parse_results(stdout: str, nonce: str, n_tests: int) -> dict[str, Any]:
     """The harness's result lines with this run's nonce: statuses per test and how loading
     the solution went: None (the harness never started), "start" (the solution ended the
@@ -446,9 +468,8 @@ class CodeEnv(SingleTurnEnv):
     def make_tasks(self, seed: int) -> tuple[list[Task], list[Task]]:
         o = self.options
         if o.path is not None:
-            train_rows, held_rows = self.row_splits(o.path, o.eval_path, ("prompt", "tests"))
-            where = f"env.{self.name}.options.path"
-            specs = [[self._row_spec(r, where) for r in rows] for rows in (train_rows, held_rows)]
+            train_rows, held_rows = self.row_splits(o.path, o.eval_path, ("prompt", "tests"), check_row)
+            specs = [[self._row_spec(r) for r in rows] for rows in (train_rows, held_rows)]
             train_specs, held_specs = specs
         else:
             rng = random.Random(seed)
@@ -479,22 +500,12 @@ class CodeEnv(SingleTurnEnv):
         return make("train", train_specs), make("eval", held_specs)
 
     @staticmethod
-    def _row_spec(row: dict[str, Any], where: str) -> dict[str, Any]:
+    def _row_spec(row: dict[str, Any]) -> dict[str, Any]:
         tests = row["tests"]
         setup: list[str] = []
         if isinstance(tests, str):
-            try:
-                setup, tests = split_tests(tests)
-            except SyntaxError as e:
-                raise ValueError(
-                    f"{where}: row {row.get('id', '')!r}: its tests do not parse as Python ({e})"
-                ) from None
-        if not isinstance(tests, list) or not tests or not all(isinstance(t, str) for t in tests):
-            raise ValueError(
-                f"{where}: row {row.get('id', '')!r}: tests must be a non-empty list of Python sources, or a string "
-                "with top-level asserts"
-            )
-        spec = {"statement": str(row["prompt"]).rstrip(), "tests": tests, "setup": setup}
+            setup, tests = split_tests(tests)
+        spec = {"statement": row["prompt"].rstrip(), "tests": tests, "setup": setup}
         if "id" in row:
             spec["row_id"] = row["id"]
         return spec

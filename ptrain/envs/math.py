@@ -177,6 +177,17 @@ FAMILIES = {"linear": _linear, "fractions": _fractions, "word": _word}
 """Generated family -> (rng -> (question, reference answer))."""
 
 
+def check_row(row: dict[str, Any]) -> str | None:
+    """What is wrong with a JSONL row's question or answer, or None. A null or empty answer
+    would be the reference "None" or nothing, which no completion matches."""
+    if not isinstance(row["question"], str) or not row["question"].strip():
+        return f"question must be a non-empty string, got {row['question']!r}"
+    answer = row["answer"]
+    if isinstance(answer, bool) or not isinstance(answer, str | int | float) or not str(answer).strip():
+        return f"answer must be a non-empty string (or a number), got {answer!r}"
+    return None
+
+
 class MathEnv(SingleTurnEnv):
     """Math problems with a final answer (options: MathOptions)."""
 
@@ -192,7 +203,7 @@ class MathEnv(SingleTurnEnv):
     def make_tasks(self, seed: int) -> tuple[list[Task], list[Task]]:
         o = self.options
         if o.path is not None:
-            train_rows, held_rows = self.row_splits(o.path, o.eval_path, ("question", "answer"))
+            train_rows, held_rows = self.row_splits(o.path, o.eval_path, ("question", "answer"), check_row)
         else:
             rng = random.Random(seed)
             need = self.cfg.n_train + self.cfg.n_eval

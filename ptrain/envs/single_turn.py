@@ -78,9 +78,12 @@ def import_modules(names: Sequence[str]) -> float:
     return 1.0
 
 
-def load_rows(path: str, fields: tuple[str, ...], key: str) -> list[dict[str, Any]]:
+def load_rows(
+    path: str, fields: tuple[str, ...], key: str, check: Callable[[dict[str, Any]], str | None] | None = None
+) -> list[dict[str, Any]]:
     """The JSON objects of a JSONL file, each with `fields`; ValueError names the file, the
-    line and what is wrong (config key `key` gave the path)."""
+    line and what is wrong (config key `key` gave the path). check(row): what is wrong with
+    a row's values, or None."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"config key '{key}': no file '{path}'; pass a JSONL file")
     rows = []
@@ -99,6 +102,9 @@ def load_rows(path: str, fields: tuple[str, ...], key: str) -> list[dict[str, An
             missing = [k for k in fields if k not in row]
             if missing:
                 raise ValueError(f"{path}:{line_no}: missing field(s) {missing}; each row needs {list(fields)}")
+            problem = check(row) if check is not None else None
+            if problem:
+                raise ValueError(f"{path}:{line_no}: {problem}")
             rows.append(row)
     if not rows:
         raise ValueError(f"config key '{key}': '{path}' has no rows")
@@ -151,13 +157,15 @@ class SingleTurnEnv(TaskSplits):
 
     # ------------------------------------------------------------------ tasks
 
-    def row_splits(self, path: str, eval_path: str | None, fields: tuple[str, ...]) -> tuple[list, list]:
+    def row_splits(
+        self, path: str, eval_path: str | None, fields: tuple[str, ...], check: Callable | None = None
+    ) -> tuple[list, list]:
         """(train, eval) rows of JSONL files: eval from eval_path, else the first n_eval rows of
-        path (the rest train); at most n_train / n_eval rows each."""
-        rows = load_rows(path, fields, f"env.{self.name}.options.path")
+        path (the rest train); at most n_train / n_eval rows each. check: as for load_rows."""
+        rows = load_rows(path, fields, f"env.{self.name}.options.path", check)
         n_train, n_eval = self.cfg.n_train, self.cfg.n_eval
         if eval_path is not None:
-            held = load_rows(eval_path, fields, f"env.{self.name}.options.eval_path")[:n_eval]
+            held = load_rows(eval_path, fields, f"env.{self.name}.options.eval_path", check)[:n_eval]
             return rows[:n_train], held
         if len(rows) <= n_eval:
             raise ValueError(

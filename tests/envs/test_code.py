@@ -210,6 +210,18 @@ def test_bad_rows_name_the_file(tok, tmp_path):
     env = make_env(EnvConfig(kind="code", n_eval=0, options={"path": str(path)}), tokenizer=tok)
     with pytest.raises(ValueError, match="tests must be a non-empty list"):
         env.tasks("train", seed=0)
+    # A test that does not parse fails for every completion: the task could never be solved.
+    good = json.dumps({"prompt": "Write f() returning 1.", "tests": ["assert f() == 1"]}) + "\n"
+    for row, match in (
+        ({"prompt": "p", "tests": ["assert f() == 1", "assert f( == 1"]}, r"tests\[1\] does not parse as Python"),
+        ({"prompt": "p", "tests": "assert f( == 1"}, r"its tests do not parse as Python"),
+        ({"prompt": "p", "tests": "x = 1"}, r"its tests hold no top-level assert"),
+        ({"prompt": None, "tests": ["assert True"]}, r"prompt must be a non-empty string, got None"),
+    ):
+        path.write_text(good + json.dumps(row) + "\n")
+        env = make_env(EnvConfig(kind="code", n_eval=0, options={"path": str(path)}), tokenizer=tok)
+        with pytest.raises(ValueError, match=r"bad.jsonl:2: " + match):
+            env.tasks("train", seed=0)
 
 
 def test_no_isolation_is_an_error_that_says_what_to_install(tok, rows_path):

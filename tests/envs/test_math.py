@@ -107,6 +107,28 @@ def test_jsonl_rows_and_bad_rows(tok, tmp_path):
         validate_env_config(EnvConfig(kind="math", options={"path": str(tmp_path / "missing.jsonl")}))
 
 
+@pytest.mark.parametrize(
+    "row, match",
+    [
+        (
+            {"question": "What is 2 + 2?", "answer": None},
+            r"answer must be a non-empty string \(or a number\), got None",
+        ),
+        ({"question": "What is 2 + 2?", "answer": " "}, r"answer must be a non-empty string"),
+        ({"question": None, "answer": "4"}, r"question must be a non-empty string, got None"),
+        ({"question": ["What is 2 + 2?"], "answer": "4"}, r"question must be a non-empty string"),
+    ],
+)
+def test_rows_with_unusable_values_name_the_line(tok, tmp_path, row, match):
+    """A null answer became the reference "None", which no completion matches: every sample
+    scored 0 without a reward error. A null question became the prompt "None"."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"question": "What is 1 + 1?", "answer": 2}) + "\n" + json.dumps(row) + "\n")
+    env = make_env(EnvConfig(kind="math", n_eval=0, options={"path": str(path)}), tokenizer=tok)
+    with pytest.raises(ValueError, match=r"rows.jsonl:2: " + match):
+        env.tasks("train", seed=0)
+
+
 def test_worker_thread_scores_correct_one_and_cuts_a_hang(tok):
     """verl's trap: math-verify's signal.alarm raises off the main thread and every score
     silently became 0. Here, from a worker thread: the right answer scores 1, the wrong 0,
