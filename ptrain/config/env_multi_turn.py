@@ -19,6 +19,7 @@ Jax-free, like the rest of ptrain.config.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,6 +134,10 @@ class ToolUseOptions(MultiTurnOptions):
         super().validate(where)
         _subset(self, where, "families", TOOL_USE_FAMILIES)
         _subset(self, where, "tools", TOOL_NAMES)
+        if self.corpus_path is not None and not os.path.isfile(self.corpus_path):
+            _fail(
+                where, "corpus_path", f"no file '{self.corpus_path}'; pass a JSONL corpus, or null for the bundled one"
+            )
         missing = sorted({FAMILY_TOOLS[f] for f in self.families} - set(self.tools))
         if missing:
             _fail(where, "tools", f"{self.tools} lacks {missing}, which families {self.families} need")

@@ -689,7 +689,10 @@ class Corpus:
                 f"search corpus {path!r} does not exist; pass a JSONL file or null for the bundled one"
             )
         with open(path, encoding="utf-8") as f:
-            return cls(_parse_corpus(f.read(), path))
+            docs = _parse_corpus(f.read(), path)
+        if not docs:
+            raise ValueError(f"search corpus {path!r} has no rows; write one JSON object per line, or pass null")
+        return cls(docs)
 
     def search(self, query: str, k: int = 3) -> list[tuple[float, Document]]:
         """The k best-scoring documents (score > 0), best first; ties keep corpus order."""
@@ -718,6 +721,12 @@ def _parse_corpus(text: str, where: str) -> list[Document]:
             docs.append(Document(str(row["id"]), row["title"], row["text"], row.get("facts", {})))
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{where}:{n}: not a corpus row with id, title and text ({e})") from None
+        doc = docs[-1]
+        if not isinstance(doc.title, str) or not isinstance(doc.text, str) or not isinstance(doc.facts, Mapping):
+            raise ValueError(
+                f"{where}:{n}: title and text must be strings and facts an object, got title {doc.title!r}, "
+                f"text {doc.text!r:.60}, facts {doc.facts!r:.60}"
+            )
     return docs
 
 

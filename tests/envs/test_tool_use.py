@@ -203,6 +203,7 @@ def test_bad_options_are_refused_with_the_key_named():
         ({"invalid_call_penalty": -1.0}, "options.invalid_call_penalty"),
         ({"tool_timeout_s": 0.0}, "options.tool_timeout_s"),
         ({"toolz": []}, "options.toolz': not an option"),
+        ({"corpus_path": "/nonexistent/corpus.jsonl"}, "options.corpus_path': no file '/nonexistent/corpus.jsonl'"),
     ]:
         with pytest.raises(EnvConfigError, match=match):
             validate_env_config(EnvConfig(kind="tool_use", options=options))

@@ -342,3 +342,14 @@ def test_a_corpus_file_with_a_bad_row_names_the_line(tmp_path):
         Corpus.load(str(path))
     with pytest.raises(FileNotFoundError, match="null for the bundled"):
         Corpus.load(str(tmp_path / "missing.jsonl"))
+    # A null title was a TypeError from the index; an empty file did not name itself.
+    path.write_text(json.dumps({"id": 1, "title": "t", "text": "x"}) + "\n" + json.dumps({"id": 2, "title": None,
+                    "text": "y"}) + "\n")  # fmt: skip
+    with pytest.raises(ValueError, match=r"c.jsonl:2: title and text must be strings and facts an object"):
+        Corpus.load(str(path))
+    path.write_text(json.dumps({"id": 1, "title": "t", "text": "x", "facts": ["population"]}) + "\n")
+    with pytest.raises(ValueError, match=r"c.jsonl:1: .*facts \['population'\]"):
+        Corpus.load(str(path))
+    path.write_text("\n")
+    with pytest.raises(ValueError, match=r"search corpus '.*c.jsonl' has no rows"):
+        Corpus.load(str(path))
