@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import time
 
-from ptrain.config import RunConfig
+from ptrain.config import ConfigError, RunConfig
 from ptrain.stages.common import ensure_base_model, load_model, stage_mesh, tokenizer_for
 
 
@@ -33,10 +33,18 @@ def run_eval_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
 
     t_start = time.time()
     stage = run.stages[0]
+    configs = [run.envs[n] for n in (stage.envs or sorted(run.envs))]
+    # An environment without held-out tasks would be skipped, and the stage would end
+    # "done" with no metrics at all.
+    empty = [e.env_name for e in configs if e.n_eval == 0]
+    if empty:
+        raise ConfigError(
+            f"config key 'envs.{empty[0]}.n_eval': eval stage '{stage.name}' samples held-out tasks, and "
+            f"{empty} have none (n_eval=0); pass envs.{empty[0]}.n_eval=N, or leave them out of the stage's envs list"
+        )
     tokenizer = tokenizer_for(run, init_path)
     mesh = stage_mesh(run)
     model = load_model(run, init_path or ensure_base_model(run, tokenizer), mesh, tokenizer)
-    configs = [run.envs[n] for n in (stage.envs or sorted(run.envs))]
     envs = {e.env_name: make_env(e, tokenizer=tokenizer) for e in configs}
     cfg = run.algo.eval
     # The whole context the model was built for (an evaluation has no train.seq_len to fit).

@@ -58,3 +58,16 @@ def test_eval_stage_reports_every_environment(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "ptrain", "stages=[{name: e, kind: eval}]", f"run_dir={tmp_path}/none"],
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert bad.returncode == 2 and "env=countdown" in bad.stderr
+
+
+def test_an_environment_without_held_out_tasks_is_a_config_error(tmp_path):
+    """It was skipped: the stage ended done, exit code 0, with no metrics at all (the
+    nemo_gym file's n_eval is 0)."""
+    args = ["recipe=eval", "env=[countdown,math]", "envs.math.n_eval=0", f"run_dir={tmp_path}", *TINY_MODEL]
+    out = subprocess.run([sys.executable, "-m", "ptrain", *args], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1] == (
+        "ptrain: config error: config key 'envs.math.n_eval': eval stage 'eval' samples held-out tasks, and ['math'] "
+        "have none (n_eval=0); pass envs.math.n_eval=N, or leave them out of the stage's envs list"
+    )
+    assert not (tmp_path / "stages" / "eval" / "DONE.json").exists()
