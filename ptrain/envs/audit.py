@@ -35,6 +35,34 @@ def _jsonable(value: Any) -> Any:
     return repr(value)
 
 
+def _drop_torn_tail(path: str) -> None:
+    """Cut a last line that a crash left without its newline. A resumed stage appends to the
+    same file: its first record would join that fragment, and both would be one unreadable
+    line in the middle of the log."""
+    try:
+        f = open(path, "rb+")  # noqa: SIM115 - closed below
+    except FileNotFoundError:
+        return
+    with f:
+        size = f.seek(0, os.SEEK_END)
+        if size == 0:
+            return
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return
+        cut, pos = 0, size
+        while pos > 0:
+            step = min(1 << 16, pos)
+            pos -= step
+            f.seek(pos)
+            k = f.read(step).rfind(b"\n")
+            if k >= 0:
+                cut = pos + k + 1
+                break
+        f.truncate(cut)
+    log.warning("%s: dropped a torn last line (%d bytes) that the previous writer left unfinished", path, size - cut)
+
+
 class AuditLog:
     """Appends audit records to a JSONL file (thread-safe; each line flushed)."""
 
@@ -42,6 +70,7 @@ class AuditLog:
         self.path = path
         folder = os.path.dirname(os.path.abspath(path))
         os.makedirs(folder, exist_ok=True)
+        _drop_torn_tail(path)
         self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - held open for the stage
         self._lock = threading.Lock()
         self.count = 0

@@ -78,6 +78,24 @@ def test_torn_last_line_is_skipped_and_damage_is_named(tmp_path, caplog):
         list(read_audit(str(tmp_path / "missing.jsonl")))
 
 
+def test_a_resumed_stage_appends_after_a_torn_last_line(tmp_path, caplog):
+    """The resumed stage's first record used to join the fragment, and read_audit then
+    refused the whole log at that line."""
+    path = tmp_path / "audit.jsonl"
+    with AuditLog(str(path)) as audit:
+        audit.write(trajectory(), step=1)
+    with open(path, "a") as f:
+        f.write('{"env": "countdown", "task_')  # the crash
+    with AuditLog(str(path)) as audit:
+        audit.write(trajectory(), step=2)
+    assert [r["step"] for r in read_audit(str(path))] == [1, 2]
+    assert "dropped a torn last line (27 bytes)" in caplog.text
+    path.write_text('{"env": "count')  # a crash before the first newline
+    with AuditLog(str(path)) as audit:
+        audit.write(trajectory(), step=3)
+    assert [r["step"] for r in read_audit(str(path))] == [3]
+
+
 def test_rescore_replays_recorded_episodes(tmp_path):
     tok = build_tokenizer(vocab_size=300)
     env = make_env(EnvConfig(kind="countdown", n_train=4, n_eval=2, reward_workers=1), tokenizer=tok)
