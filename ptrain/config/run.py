@@ -164,6 +164,14 @@ def _grpo_stage_batch(run: RunConfig, where: str) -> None:
         f"{g.max_new_tokens} leaves no room for the prompt in train.seq_len={run.train.seq_len}; raise seq_len",
         where,
     )
+    ctx = run.rollout.context_length
+    _check(
+        ctx is None or g.max_new_tokens < ctx,
+        "rollout.context_length",
+        f"{ctx} tokens (prompt + output) leave no room for a prompt before algo.grpo.max_new_tokens="
+        f"{g.max_new_tokens}; raise it, or pass null (train.seq_len + 1)",
+        where,
+    )
 
 
 def shadowed_overrides(run: RunConfig, overrides: list[str]) -> list[str]:

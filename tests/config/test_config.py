@@ -63,6 +63,15 @@ def test_stage_overrides_merge_over_top_level_nodes():
         (["stages=[{name: a, kind: dpo}]"], "data.format"),
         (["model.hf_path=/no/such/model"], "model.hf_path"),
         (["checkpoint.keep=0"], "checkpoint.keep"),
+        (
+            [
+                "stages=[{name: g, kind: grpo}]",
+                "env=arithmetic",
+                "algo.grpo.max_new_tokens=32",
+                "rollout.context_length=32",
+            ],
+            "rollout.context_length",
+        ),
     ],
 )
 def test_impossible_values_name_their_key(overrides, key):
