@@ -23,12 +23,22 @@ def make_engine(run, model_def, params, model_state, *, mesh, tokenizer, seed: i
     model = model_def.bind(params, model_state)
     eos = stop_token_ids(tokenizer)
     if ro.kind == "local":
+        from ptrain.config.run import ConfigError
         from ptrain.rollout.local import LocalEngine
 
+        # seq_len + 1 tokens make seq_len shifted training positions; the model's own limit
+        # caps the default, so a seq_len at that limit needs no rollout.context_length.
+        limit = model.cfg.max_seq_len
+        context = ro.context_length or min(run.train.seq_len + 1, limit)
+        if context > limit:
+            raise ConfigError(
+                f"config key 'rollout.context_length': {context} exceeds the model's max_seq_len={limit}; "
+                f"pass at most {limit}, or null (train.seq_len + 1, capped at {limit})"
+            )
         return LocalEngine(
             model,
             max_running_requests=ro.max_running_requests,
-            context_length=ro.context_length or run.train.seq_len + 1,
+            context_length=context,
             mesh=mesh,
             eos_token_ids=eos,
             decode_steps=ro.decode_steps,
