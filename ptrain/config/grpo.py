@@ -16,6 +16,7 @@ of these fields (recipes/ and the table below):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ptrain.config.choices import (
@@ -306,3 +307,7 @@ def validate_grpo(cfg: GRPOAlgoConfig, check) -> None:
       f"must be null or in [0, 1], got {cfg.pass_rate_target}")  # fmt: skip
     c(cfg.pass_rate_width > 0, "algo.grpo.pass_rate_width", f"must be > 0, got {cfg.pass_rate_width}")
     c(cfg.max_staleness >= 0, "algo.grpo.max_staleness", f"must be >= 0, got {cfg.max_staleness}")
+    # inf passes the bounds above but makes the sampling uniform or the loss inf/nan
+    for key in ("temperature", "kl_coef", "entropy_coef", "invalid_tool_call_advantage"):
+        value = getattr(cfg, key)
+        c(value is None or math.isfinite(value), f"algo.grpo.{key}", f"must be a finite number, got {value}")

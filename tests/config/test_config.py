@@ -63,6 +63,9 @@ def test_stage_overrides_merge_over_top_level_nodes():
         (["stages=[{name: a, kind: dpo}]"], "data.format"),
         (["model.hf_path=/no/such/model"], "model.hf_path"),
         (["checkpoint.keep=0"], "checkpoint.keep"),
+        (["algo.grpo.temperature=inf"], "algo.grpo.temperature"),
+        (["algo.grpo.kl_coef=inf"], "algo.grpo.kl_coef"),
+        (["algo.grpo.invalid_tool_call_advantage=nan"], "algo.grpo.invalid_tool_call_advantage"),
         (
             [
                 "stages=[{name: g, kind: grpo}]",
