@@ -96,6 +96,12 @@ def register_options(kind: str) -> Callable[[type], type]:
     return add
 
 
+MAX_TIMEOUT_S = 86400.0
+"""Longest timeout of any one step (a reward computation, a test, a tool call): a day. The
+waits behind them overflow somewhere past it (a worker's pipe polls whole milliseconds as a
+C int, about 24 days; setitimer past the platform's time_t)."""
+
+
 def _check(cond: bool, key: str, msg: str) -> None:
     if not cond:
         raise EnvConfigError(f"config key '{key}': {msg}")
@@ -295,7 +301,11 @@ class CodeOptions:
             f"pass at least one of {list(CODE_FAMILIES)}, or a path",
         )
         _check(self.tests_per_task >= 1, f"{where}.tests_per_task", f"must be >= 1, got {self.tests_per_task}")
-        _check(self.test_timeout_s > 0, f"{where}.test_timeout_s", f"must be > 0, got {self.test_timeout_s}")
+        _check(
+            0 < self.test_timeout_s <= MAX_TIMEOUT_S,
+            f"{where}.test_timeout_s",
+            f"must be > 0 and at most {MAX_TIMEOUT_S:g} seconds (one day), got {self.test_timeout_s}",
+        )
         _check(
             self.max_concurrent_runs >= 1,
             f"{where}.max_concurrent_runs",
@@ -443,11 +453,6 @@ def build_options(cls: type, options: Mapping[str, Any] | None, where: str) -> A
     if hasattr(opts, "validate"):
         opts.validate(where)
     return opts
-
-
-MAX_TIMEOUT_S = 86400.0
-"""Longest reward timeout: waits on a worker's pipe take whole milliseconds as a C int
-(about 24 days), and no reward computation needs more than a day."""
 
 
 def validate_env_config(cfg: EnvConfig) -> Any:

@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ptrain.config.env import EnvConfigError, register_options
+from ptrain.config.env import MAX_TIMEOUT_S, EnvConfigError, register_options
 
 TOOL_NAMES = ("python", "bash", "calculator", "read_file", "write_file", "list_files", "search")
 """Tools a multi-turn kind may declare (ptrain/envs/tools.py builds them)."""
@@ -49,9 +49,16 @@ def _int_at_least(opts: Any, where: str, key: str, lo: int) -> None:
         _fail(where, key, f"must be an integer >= {lo}, got {value!r}")
 
 
-def _positive(opts: Any, where: str, key: str) -> None:
-    if not getattr(opts, key) > 0:
-        _fail(where, key, f"must be > 0, got {getattr(opts, key)!r}")
+SANDBOX_MARGIN_S = 10.0
+"""Wall seconds the tool runner's sandbox allows past a command's own timeout (tools.tool_sandbox)."""
+
+
+def _seconds(opts: Any, where: str, key: str) -> None:
+    """A command's timeout: > 0, and short enough that the sandbox's limit (it plus the margin)
+    stays within a day."""
+    value, most = getattr(opts, key), MAX_TIMEOUT_S - SANDBOX_MARGIN_S
+    if not 0 < value <= most:
+        _fail(where, key, f"must be > 0 and at most {most:g} seconds, got {value!r}")
 
 
 def _non_negative(opts: Any, where: str, *keys: str) -> None:
@@ -109,7 +116,7 @@ class MultiTurnOptions:
         _int_at_least(self, where, "max_tool_calls_per_turn", 1)
         _int_at_least(self, where, "max_tool_output_chars", 100)
         _int_at_least(self, where, "workspace_mb", 1)
-        _positive(self, where, "tool_timeout_s")
+        _seconds(self, where, "tool_timeout_s")
         _non_negative(self, where, "invalid_call_penalty")
 
 
@@ -211,7 +218,7 @@ class TerminalOptions(MultiTurnOptions):
         _subset(self, where, "tools", TOOL_NAMES)
         if "bash" not in self.tools:
             _fail(where, "tools", f"{self.tools}: the terminal kind needs bash")
-        _positive(self, where, "test_timeout_s")
+        _seconds(self, where, "test_timeout_s")
         _non_negative(self, where, "tests_reward", "format_reward")
 
 

@@ -53,6 +53,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
+from ptrain.config.env_multi_turn import SANDBOX_MARGIN_S
 from ptrain.config.sandbox import SandboxConfig
 from ptrain.envs.sandbox import Sandbox
 
@@ -809,7 +810,7 @@ def tool_sandbox(
     return Sandbox(
         dataclasses.replace(
             cfg,
-            timeout_s=max(cfg.timeout_s, timeout_s + 10.0),
+            timeout_s=max(cfg.timeout_s, timeout_s + SANDBOX_MARGIN_S),
             max_output_bytes=max(cfg.max_output_bytes, report_bytes),
             scratch_mb=max(cfg.scratch_mb, 2 * (workspace_bytes >> 20) + 16),
         )

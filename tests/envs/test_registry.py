@@ -89,6 +89,15 @@ def test_infinite_numbers_are_refused_by_name():
     bad(r"'env\.countdown\.options\.correct_reward': must be a finite number, got nan", kind="countdown",
         options={"correct_reward": float("nan")})  # fmt: skip
 
+    # Finite but past what the waits take: setitimer refused a 1e12 s test timeout inside the
+    # sandbox, so every completion scored as a load error; a tool call's sandbox adds 10 s.
+    bad(r"'env\.code\.options\.test_timeout_s': must be > 0 and at most 86400 seconds", kind="code",
+        options={"test_timeout_s": 1e12})  # fmt: skip
+    bad(r"'env\.tool_use\.options\.tool_timeout_s': must be > 0 and at most 86390 seconds", kind="tool_use",
+        options={"tool_timeout_s": 86395.0})  # fmt: skip
+    bad(r"'env\.terminal\.options\.test_timeout_s': must be > 0 and at most 86390 seconds", kind="terminal",
+        options={"test_timeout_s": 1e9})  # fmt: skip
+
 
 def test_names_are_distinct_within_a_stage():
     validate_env_configs([EnvConfig(kind="countdown"), EnvConfig(kind="countdown", name="countdown_hard")])
