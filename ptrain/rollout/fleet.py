@@ -784,7 +784,7 @@ class FleetEngine(EngineBase):
                 if r.status_code == 200:
                     try:
                         samples = self._samples(call, r.json())
-                    except (ValueError, KeyError, TypeError) as e:
+                    except (ValueError, KeyError, TypeError, AttributeError) as e:  # e.g. "meta_info": null
                         failure = f"POST /generate: a malformed answer ({e})"
                     else:
                         target.served += 1

@@ -1,0 +1,72 @@
+"""FleetEngine against a worker that answers 200 with bodies that are not SGLang's shape: the
+request fails naming the worker and what was wrong, and the worker is taken out of service."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from ptrain.rollout.fleet import FleetEngine, RequestFailed
+from ptrain.rollout.protocol import GenerateRequest, SamplingParams
+
+ANSWER: dict = {}
+
+
+async def _ok(request):
+    return JSONResponse({"weight_version": "default"})
+
+
+async def _generate(request):
+    return JSONResponse(ANSWER["body"])
+
+
+@pytest.fixture(scope="module")
+def worker_url():
+    app = Starlette(
+        routes=[
+            Route("/health_generate", _ok),
+            Route("/health", _ok),
+            Route("/model_info", _ok),
+            Route("/generate", _generate, methods=["POST"]),
+        ]
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+
+
+@pytest.mark.parametrize(
+    "body, why",
+    [
+        ({"meta_info": None, "output_ids": [5]}, "'NoneType' object has no attribute 'get'"),
+        ({"meta_info": {"finish_reason": "stop", "output_token_logprobs": [[-1.0, 5, None]]}, "output_ids": [5]},
+         "'str' object has no attribute 'get'"),
+        ([{"meta_info": {}}, {"meta_info": {}}], "2 response objects for n=1"),
+        ("ok", "string indices must be integers"),
+    ],
+)  # fmt: skip
+def test_a_200_answer_not_in_sglangs_shape_fails_the_request_naming_the_worker(worker_url, body, why):
+    ANSWER["body"] = body
+    engine = FleetEngine(urls=[worker_url], max_retries=0, unhealthy_timeout_s=5, health_interval_s=60)
+    try:
+        future = engine.submit(GenerateRequest(input_ids=(1, 2, 3), sampling=SamplingParams(max_new_tokens=4)))
+        with pytest.raises(RequestFailed, match=rf"{worker_url}: POST /generate: a malformed answer \(.*{why}"):
+            future.result(timeout=30)
+        assert engine.stats["taken_out"] == 1
+    finally:
+        engine.close()
