@@ -4,7 +4,7 @@
 fields every kind shares are typed here; what only one kind understands sits in `options`,
 a plain mapping that `validate_env_config(cfg)` turns into that kind's typed dataclass
 (`CountdownOptions`, `MathOptions`, ...), so a misspelt or mistyped key is refused before
-any compute with a message that names `env.<name>.options.<key>` and the valid keys.
+any compute with a message that names `envs.<name>.options.<key>` and the valid keys.
 
 Kinds defined in other modules register their options dataclass with the decorator
 
@@ -68,7 +68,7 @@ class EnvConfig:
     get reward 0 and metric truncated=1 without being scored (length shaping such as DAPO's
     overlong penalty belongs to the RL stage, not here)."""
     options: dict[str, Any] = field(default_factory=dict)
-    """Options of the kind, checked against its dataclass below (env.<name>.options.<key>)."""
+    """Options of the kind, checked against its dataclass below (envs.<name>.options.<key>)."""
 
     @property
     def env_name(self) -> str:
@@ -458,13 +458,13 @@ def build_options(cls: type, options: Mapping[str, Any] | None, where: str) -> A
 def validate_env_config(cfg: EnvConfig) -> Any:
     """Check an EnvConfig and return its typed options (the kind's dataclass).
 
-    Raises EnvConfigError naming `env.<name>.<field>` or `env.<name>.options.<key>` and what
+    Raises EnvConfigError naming `envs.<name>.<field>` or `envs.<name>.options.<key>` and what
     to pass (the valid kinds, the valid option keys, the allowed range).
     """
     from ptrain.envs.registry import ENV_KINDS
 
     name = cfg.env_name
-    where = f"env.{name}"
+    where = f"envs.{name}"
     _check(
         isinstance(cfg.kind, str) and cfg.kind in ENV_KINDS,
         f"{where}.kind",
@@ -513,7 +513,7 @@ def validate_env_configs(cfgs: list[EnvConfig]) -> list[Any]:
         name = cfg.env_name
         _check(
             name not in seen,
-            f"env.{name}.name",
+            f"envs.{name}.name",
             f"environments {seen.get(name)} and {i} are both named {name!r}; give one a distinct name",
         )
         seen[name] = i

@@ -10,7 +10,7 @@
 
 The fields every environment shares (name, n_train, n_eval, seed, reward_timeout_s, ...)
 live in `ptrain.config.env.EnvConfig`; these dataclasses are the kinds' `options`, which
-`validate_env_config` builds and checks (EnvConfigError names `env.<name>.options.<key>`).
+`validate_env_config` builds and checks (EnvConfigError names `envs.<name>.options.<key>`).
 The tool loop's limits are in `MultiTurnOptions`, which each kind extends. Sandboxed tools
 (python, bash) and test runs use the stage's sandbox (`make_env(..., sandbox=)`).
 

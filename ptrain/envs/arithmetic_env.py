@@ -41,9 +41,9 @@ class ArithmeticEnv(SingleTurnEnv):
             )
         except ValueError as e:
             raise ValueError(
-                f"env.{self.name}: cannot draw {self.cfg.n_train} + {self.cfg.n_eval} distinct problems with "
-                f"ops={o.ops} and digits {o.min_digits}..{o.max_digits}; lower env.{self.name}.n_train or raise "
-                f"env.{self.name}.options.max_digits ({e})"
+                f"envs.{self.name}: cannot draw {self.cfg.n_train} + {self.cfg.n_eval} distinct problems with "
+                f"ops={o.ops} and digits {o.min_digits}..{o.max_digits}; lower envs.{self.name}.n_train or raise "
+                f"envs.{self.name}.options.max_digits ({e})"
             ) from None
 
         def make(split: str, problems) -> list[Task]:

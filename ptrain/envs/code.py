@@ -484,7 +484,7 @@ class CodeEnv(SingleTurnEnv):
                     misses += 1
                     if misses > 100 * need + 10000:
                         raise ValueError(
-                            f"env.{self.name}: found only {len(drawn)} of {need} distinct generated code tasks in "
+                            f"envs.{self.name}: found only {len(drawn)} of {need} distinct generated code tasks in "
                             f"families {o.families}; lower n_train / n_eval or add families"
                         )
                     continue

@@ -219,7 +219,7 @@ class CountdownEnv(SingleTurnEnv):
                 misses += 1
                 if misses > 200 * need + 10000:
                     raise ValueError(
-                        f"env.{self.name}: found only {len(drawn)} of {need} distinct countdown tasks with targets in "
+                        f"envs.{self.name}: found only {len(drawn)} of {need} distinct countdown tasks with targets in "
                         f"[{o.min_target}, {o.max_target}]; widen the target range or lower n_train / n_eval"
                     )
                 continue

@@ -217,7 +217,7 @@ class MathEnv(SingleTurnEnv):
                     misses += 1
                     if misses > 100 * need + 10000:
                         raise ValueError(
-                            f"env.{self.name}: found only {len(rows)} of {need} distinct generated problems in "
+                            f"envs.{self.name}: found only {len(rows)} of {need} distinct generated problems in "
                             f"families {o.families}; lower n_train / n_eval or add families"
                         )
                     continue

@@ -95,7 +95,7 @@ CLI_OPTIONS = ("--url", "--timeout", "--verify-timeout")
 
 def env_options(name: str) -> tuple[str, str, str]:
     """The config keys that set an environment's URL, request timeout and verify timeout."""
-    return tuple(f"env.{name}.options.{key}" for key in ("url", "request_timeout_s", "verify_timeout_s"))
+    return tuple(f"envs.{name}.options.{key}" for key in ("url", "request_timeout_s", "verify_timeout_s"))
 
 
 class NemoGymError(RuntimeError):
@@ -588,7 +588,7 @@ class NemoGymEnv(MultiTurnEnv):
         rows = self._load(options.rows)
         if not rows:
             raise RowError(
-                f"env.{self.name}.options.rows: no playable rows in {options.rows}"
+                f"envs.{self.name}.options.rows: no playable rows in {options.rows}"
                 + (
                     f" ({len(self.bad_rows)} skipped, e.g. line {self.bad_rows[0].line}: {self.bad_rows[0].problem})"
                     if self.bad_rows
@@ -599,9 +599,9 @@ class NemoGymEnv(MultiTurnEnv):
             self._rows = {"train": rows, "eval": self._load(options.eval_rows)}
         elif len(rows) <= cfg.n_eval:
             raise RowError(
-                f"env.{self.name}.options.rows: '{options.rows}' has {len(rows)} playable rows, and the first "
+                f"envs.{self.name}.options.rows: '{options.rows}' has {len(rows)} playable rows, and the first "
                 f"n_eval={cfg.n_eval} are held out, which leaves none to train on; pass a smaller "
-                f"env.{self.name}.n_eval (conf/env/nemo_gym.yaml sets 0) or options.eval_rows"
+                f"envs.{self.name}.n_eval (conf/env/nemo_gym.yaml sets 0) or options.eval_rows"
             )
         else:
             self._rows = {"train": rows[cfg.n_eval :], "eval": rows[: cfg.n_eval]}
@@ -629,7 +629,7 @@ class NemoGymEnv(MultiTurnEnv):
                 continue
             if self.nemo_options.bad_rows == "fail":
                 raise RowError(f"{path}:{line}: {problem}; fix the row, or skip such rows with "
-                               f"env.{self.name}.options.bad_rows=skip")  # fmt: skip
+                               f"envs.{self.name}.options.bad_rows=skip")  # fmt: skip
             self.bad_rows.append(BadRow(path, line, problem))
             logger.warning("env %s: skipping %s:%d: %s", self.name, path, line, problem)
         return rows

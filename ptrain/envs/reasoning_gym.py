@@ -80,7 +80,7 @@ class ReasoningGymEnv(SingleTurnEnv):
                 kept = [e for e in ds if e["question"] not in held_questions][:nt]
                 if len(kept) < nt:
                     raise ValueError(
-                        f"env.{self.name}: reasoning-gym dataset {name!r} gave only {len(kept)} training tasks distinct "
+                        f"envs.{self.name}: reasoning-gym dataset {name!r} gave only {len(kept)} training tasks distinct "
                         f"from its {ne} held-out ones; lower n_train / n_eval or widen its config"
                     )
                 train.extend((name, config_json, e) for e in kept)

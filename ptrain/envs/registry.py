@@ -4,7 +4,7 @@
     env = make_env(EnvConfig(kind="code"), tokenizer=tok, sandbox=Sandbox(cfg))
 
 `ENV_CLASSES` is the one table of kinds: 'module:Class', imported only when an environment
-of that kind is built, so config validation (which checks `env.<name>.kind` against
+of that kind is built, so config validation (which checks `envs.<name>.kind` against
 `ENV_KINDS`) never imports an environment's dependencies. A new kind is one module under
 ptrain/envs/, one options dataclass (ptrain/config/env.py) and one line here.
 
@@ -37,7 +37,7 @@ ENV_CLASSES: dict[str, str] = {
 """Environment kind -> 'module:Class' of its Environment."""
 
 ENV_KINDS: tuple[str, ...] = tuple(ENV_CLASSES)
-"""The kinds `env.<name>.kind` may name (jax-free: config validation reads it)."""
+"""The kinds `envs.<name>.kind` may name (jax-free: config validation reads it)."""
 
 
 def env_class(kind: str) -> type:

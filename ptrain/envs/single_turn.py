@@ -162,16 +162,16 @@ class SingleTurnEnv(TaskSplits):
     ) -> tuple[list, list]:
         """(train, eval) rows of JSONL files: eval from eval_path, else the first n_eval rows of
         path (the rest train); at most n_train / n_eval rows each. check: as for load_rows."""
-        rows = load_rows(path, fields, f"env.{self.name}.options.path", check)
+        rows = load_rows(path, fields, f"envs.{self.name}.options.path", check)
         n_train, n_eval = self.cfg.n_train, self.cfg.n_eval
         if eval_path is not None:
-            held = load_rows(eval_path, fields, f"env.{self.name}.options.eval_path", check)[:n_eval]
+            held = load_rows(eval_path, fields, f"envs.{self.name}.options.eval_path", check)[:n_eval]
             return rows[:n_train], held
         if len(rows) <= n_eval:
             raise ValueError(
-                f"env.{self.name}.options.path: '{path}' has {len(rows)} rows, and the first n_eval={n_eval} are "
-                f"held out, which leaves none to train on; pass more rows, a smaller env.{self.name}.n_eval, or "
-                f"env.{self.name}.options.eval_path"
+                f"envs.{self.name}.options.path: '{path}' has {len(rows)} rows, and the first n_eval={n_eval} are "
+                f"held out, which leaves none to train on; pass more rows, a smaller envs.{self.name}.n_eval, or "
+                f"envs.{self.name}.options.eval_path"
             )
         return rows[n_eval:][:n_train], rows[:n_eval]
 

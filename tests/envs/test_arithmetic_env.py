@@ -48,5 +48,5 @@ def test_impossible_counts_name_the_env_keys(tok):
         EnvConfig(kind="arithmetic", n_train=5000, n_eval=10, options={"min_digits": 1, "max_digits": 1}),
         tokenizer=tok,
     )
-    with pytest.raises(ValueError, match=r"env\.arithmetic\.n_train.*env\.arithmetic\.options\.max_digits"):
+    with pytest.raises(ValueError, match=r"envs\.arithmetic\.n_train.*envs\.arithmetic\.options\.max_digits"):
         env.tasks("train", seed=0)

@@ -103,7 +103,7 @@ def test_jsonl_rows_and_bad_rows(tok, tmp_path):
     bad.write_text('{"question": "x", "answer": "1"}\n{"question": "no answer"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: missing field\(s\) \['answer'\]"):
         make_env(EnvConfig(kind="math", n_eval=0, options={"path": str(bad)}), tokenizer=tok).tasks("train", seed=0)
-    with pytest.raises(EnvConfigError, match="env.math.options.path"):
+    with pytest.raises(EnvConfigError, match="envs.math.options.path"):
         validate_env_config(EnvConfig(kind="math", options={"path": str(tmp_path / "missing.jsonl")}))
 
 

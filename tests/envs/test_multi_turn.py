@@ -61,7 +61,7 @@ def runner():
 
 def tool_env(tok, runner, **options) -> ToolUseEnv:
     opts = ToolUseOptions(tools=list(options.pop("tools", TOOLS)), families=["calculator"], **options)
-    opts.validate("env.tool_use.options")
+    opts.validate("envs.tool_use.options")
     return ToolUseEnv(EnvConfig(kind="tool_use", n_train=4, n_eval=2), opts, tokenizer=tok, runner=runner)
 
 

@@ -624,7 +624,7 @@ def test_a_server_that_never_answers_times_out_naming_the_option(tok, tmp_path):
             conn.close()
         silent.close()
     assert t.finish_reason == "error"
-    assert t.error == f"POST {url}/seed_session: no answer within 0.5 s (env.nemo_gym.options.request_timeout_s)"
+    assert t.error == f"POST {url}/seed_session: no answer within 0.5 s (envs.nemo_gym.options.request_timeout_s)"
 
 
 def test_a_refused_seed_names_the_status_and_the_servers_reason(tok, session_state, tmp_path):

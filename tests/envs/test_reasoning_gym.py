@@ -69,7 +69,7 @@ def test_bad_options_name_the_key():
         with pytest.raises(EnvConfigError, match=match):
             validate_env_config(EnvConfig(kind="reasoning_gym", options=options))
 
-    check({"datasets": ["no_such_dataset"]}, r"env\.reasoning_gym\.options\.datasets.*unknown reasoning-gym dataset")
+    check({"datasets": ["no_such_dataset"]}, r"envs\.reasoning_gym\.options\.datasets.*unknown reasoning-gym dataset")
     check({"datasets": ["leg_counting"], "dataset_configs": {"leg_counting": {"bogus": 1}}},
           r"options\.dataset_configs\.leg_counting.*unknown key\(s\) \['bogus'\].*valid keys: .*min_animals")  # fmt: skip
     check({"datasets": ["leg_counting"], "dataset_weights": {"basic_arithmetic": 1}}, r"not in datasets")
@@ -78,7 +78,7 @@ def test_bad_options_name_the_key():
     # Values the dataset's own config refuses: an AssertionError or TypeError from
     # reasoning-gym when the stage built the tasks, after the model had loaded.
     check({"datasets": ["leg_counting"], "dataset_configs": {"leg_counting": {"min_animals": -1}}},
-          r"'env\.reasoning_gym\.options\.dataset_configs\.leg_counting': LegCountingConfig refuses it: "
+          r"'envs\.reasoning_gym\.options\.dataset_configs\.leg_counting': LegCountingConfig refuses it: "
           r"AssertionError: min_animals must be positive")  # fmt: skip
     check({"datasets": ["leg_counting"], "dataset_configs": {"leg_counting": {"min_animals": "two"}}},
           r"dataset_configs\.leg_counting': LegCountingConfig refuses it: TypeError")  # fmt: skip

@@ -46,27 +46,27 @@ def test_options_are_typed_and_checked():
         with pytest.raises(EnvConfigError, match=match):
             validate_env_config(EnvConfig(**kw))
 
-    bad(r"config key 'env\.countdown\.options\.max_number': not an option of this kind; valid keys: min_numbers, "
+    bad(r"config key 'envs\.countdown\.options\.max_number': not an option of this kind; valid keys: min_numbers, "
         r"max_numbers", kind="countdown", options={"max_number": 5})  # fmt: skip
-    bad(r"'env\.countdown\.options\.max_numbers': must be an integer, got '4'", kind="countdown",
+    bad(r"'envs\.countdown\.options\.max_numbers': must be an integer, got '4'", kind="countdown",
         options={"max_numbers": "4"})  # fmt: skip
-    bad(r"'env\.countdown\.options\.use_all_numbers': must be true or false", kind="countdown",
+    bad(r"'envs\.countdown\.options\.use_all_numbers': must be true or false", kind="countdown",
         options={"use_all_numbers": 1})  # fmt: skip
-    bad(r"'env\.cd\.options\.min_numbers': need 2 <= min_numbers <= max_numbers <= 8", kind="countdown", name="cd",
+    bad(r"'envs\.cd\.options\.min_numbers': need 2 <= min_numbers <= max_numbers <= 8", kind="countdown", name="cd",
         options={"min_numbers": 5, "max_numbers": 4})  # fmt: skip
-    bad(r"'env\.arithmetic\.options\.ops': unknown operation\(s\) \['/'\]", options={"ops": ["+", "/"]})
-    bad(r"'env\.arithmetic\.options\.ops\[1\]': must be a string", options={"ops": ["+", 3]})
-    bad(r"'env\.math\.options\.families': unknown families \['geometry'\]", kind="math",
+    bad(r"'envs\.arithmetic\.options\.ops': unknown operation\(s\) \['/'\]", options={"ops": ["+", "/"]})
+    bad(r"'envs\.arithmetic\.options\.ops\[1\]': must be a string", options={"ops": ["+", 3]})
+    bad(r"'envs\.math\.options\.families': unknown families \['geometry'\]", kind="math",
         options={"families": ["geometry"]})  # fmt: skip
-    bad(r"'env\.code\.options\.test_timeout_s': must be > 0", kind="code", options={"test_timeout_s": 0})
-    bad(r"'env\.x\.kind': unknown environment kind 'chess'; valid kinds: arithmetic, countdown", kind="chess",
+    bad(r"'envs\.code\.options\.test_timeout_s': must be > 0", kind="code", options={"test_timeout_s": 0})
+    bad(r"'envs\.x\.kind': unknown environment kind 'chess'; valid kinds: arithmetic, countdown", kind="chess",
         name="x")  # fmt: skip
-    bad(r"'env\.arithmetic\.weight': must be a finite number > 0", weight=0.0)
-    bad(r"'env\.arithmetic\.n_train': must be >= 1", n_train=0)
-    bad(r"'env\.arithmetic\.reward_timeout_s': must be > 0", reward_timeout_s=0)
-    bad(r"'env\.a/b\.name'", name="a/b")
-    bad(r"'env\.all\.name'.*not 'all'", name="all")
-    bad(r"'env\.arithmetic\.max_new_tokens': must be >= 1 or null", max_new_tokens=0)
+    bad(r"'envs\.arithmetic\.weight': must be a finite number > 0", weight=0.0)
+    bad(r"'envs\.arithmetic\.n_train': must be >= 1", n_train=0)
+    bad(r"'envs\.arithmetic\.reward_timeout_s': must be > 0", reward_timeout_s=0)
+    bad(r"'envs\.a/b\.name'", name="a/b")
+    bad(r"'envs\.all\.name'.*not 'all'", name="all")
+    bad(r"'envs\.arithmetic\.max_new_tokens': must be >= 1 or null", max_new_tokens=0)
 
 
 def test_infinite_numbers_are_refused_by_name():
@@ -79,23 +79,23 @@ def test_infinite_numbers_are_refused_by_name():
             validate_env_config(EnvConfig(**kw))
 
     inf = float("inf")
-    bad(r"'env\.arithmetic\.reward_timeout_s': must be > 0 and at most 86400 seconds", reward_timeout_s=inf)
-    bad(r"'env\.arithmetic\.reward_timeout_s': must be > 0 and at most 86400 seconds", reward_timeout_s=1e9)
-    bad(r"'env\.arithmetic\.weight': must be a finite number > 0", weight=inf)
-    bad(r"'env\.code\.options\.test_timeout_s': must be a finite number, got inf", kind="code",
+    bad(r"'envs\.arithmetic\.reward_timeout_s': must be > 0 and at most 86400 seconds", reward_timeout_s=inf)
+    bad(r"'envs\.arithmetic\.reward_timeout_s': must be > 0 and at most 86400 seconds", reward_timeout_s=1e9)
+    bad(r"'envs\.arithmetic\.weight': must be a finite number > 0", weight=inf)
+    bad(r"'envs\.code\.options\.test_timeout_s': must be a finite number, got inf", kind="code",
         options={"test_timeout_s": inf})  # fmt: skip
-    bad(r"'env\.tool_use\.options\.invalid_call_penalty': must be a finite number, got inf", kind="tool_use",
+    bad(r"'envs\.tool_use\.options\.invalid_call_penalty': must be a finite number, got inf", kind="tool_use",
         options={"invalid_call_penalty": inf})  # fmt: skip
-    bad(r"'env\.countdown\.options\.correct_reward': must be a finite number, got nan", kind="countdown",
+    bad(r"'envs\.countdown\.options\.correct_reward': must be a finite number, got nan", kind="countdown",
         options={"correct_reward": float("nan")})  # fmt: skip
 
     # Finite but past what the waits take: setitimer refused a 1e12 s test timeout inside the
     # sandbox, so every completion scored as a load error; a tool call's sandbox adds 10 s.
-    bad(r"'env\.code\.options\.test_timeout_s': must be > 0 and at most 86400 seconds", kind="code",
+    bad(r"'envs\.code\.options\.test_timeout_s': must be > 0 and at most 86400 seconds", kind="code",
         options={"test_timeout_s": 1e12})  # fmt: skip
-    bad(r"'env\.tool_use\.options\.tool_timeout_s': must be > 0 and at most 86390 seconds", kind="tool_use",
+    bad(r"'envs\.tool_use\.options\.tool_timeout_s': must be > 0 and at most 86390 seconds", kind="tool_use",
         options={"tool_timeout_s": 86395.0})  # fmt: skip
-    bad(r"'env\.terminal\.options\.test_timeout_s': must be > 0 and at most 86390 seconds", kind="terminal",
+    bad(r"'envs\.terminal\.options\.test_timeout_s': must be > 0 and at most 86390 seconds", kind="terminal",
         options={"test_timeout_s": 1e9})  # fmt: skip
 
 
@@ -135,7 +135,7 @@ def test_make_env_builds_an_environment():
     env = make_env(EnvConfig(kind="countdown", name="cd", n_train=3, n_eval=1), tokenizer=tok)
     assert isinstance(env, Environment) and env.name == "cd"
     assert [t.env for t in env.tasks("train", seed=0)] == ["cd"] * 3
-    with pytest.raises(EnvConfigError, match="env.cd.options.bogus"):
+    with pytest.raises(EnvConfigError, match="envs.cd.options.bogus"):
         make_env(EnvConfig(kind="countdown", name="cd", options={"bogus": 1}), tokenizer=tok)
     with pytest.raises(ValueError, match="unknown split 'test'"):
         env.tasks("test", seed=0)
