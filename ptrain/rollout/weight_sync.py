@@ -51,6 +51,8 @@ from typing import Any
 
 import numpy as np
 
+from ptrain.rollout.protocol import EngineUnavailable
+
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
@@ -62,8 +64,10 @@ PARALLEL_MIN_BYTES = 64 << 20
 _VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
-class WeightSyncError(RuntimeError):
-    """A weight export or push that failed; the message names the folder or worker and why."""
+class WeightSyncError(EngineUnavailable):
+    """A weight export or push that failed; the message names the folder or worker and why.
+    An engine that cannot get the trained weights cannot sample them either, so a stage that
+    meets it saves a resumable checkpoint and stops, as for EngineUnavailable."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,7 +246,23 @@ def _write_json(path: str, obj: Any, fsync: bool) -> None:
             os.fsync(f.fileno())
 
 
-def export_weights(
+def export_weights(cfg, params: Mapping, model_state: Mapping | None, weight_dir: str, version: str,
+                   **options) -> ExportResult:  # fmt: skip
+    """`_write_export` (its docstring has the options), with a file-system failure (a full
+    disk, a read-only or vanished weight_dir) as a WeightSyncError naming the folder, and the
+    half-written `.partial` folder removed."""
+    try:
+        return _write_export(cfg, params, model_state, weight_dir, version, **options)
+    except OSError as e:
+        shutil.rmtree(_partial_folder(weight_dir, version), ignore_errors=True)
+        raise WeightSyncError(
+            f"{weight_dir}: writing weight version {version} failed ({e.strerror or e}"
+            f"{': ' + e.filename if e.filename else ''}); free space there, or point rollout.weight_dir "
+            "at a writable folder every worker can read"
+        ) from e
+
+
+def _write_export(
     cfg,
     params: Mapping,
     model_state: Mapping | None,

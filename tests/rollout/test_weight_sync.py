@@ -7,6 +7,7 @@ the newest versions."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import signal
@@ -23,6 +24,7 @@ from flax import nnx
 
 from ptrain.models import Decoder, load_hf, save_hf
 from ptrain.models.safetensors_io import open_folder
+from ptrain.rollout.protocol import EngineUnavailable
 from ptrain.rollout.weight_sync import (
     WeightSyncError,
     export_weights,
@@ -158,6 +160,25 @@ def test_bad_versions_and_dtypes_are_refused_before_writing(parts, tmp_path):
     with pytest.raises(WeightSyncError, match="pass one of"):
         export_weights(CFG, params, model_state, str(tmp_path), "1", dtype="float16")
     assert not os.listdir(tmp_path)
+
+
+def test_a_weight_dir_that_cannot_be_written_stops_the_stage_naming_it(parts, tmp_path):
+    """A full disk midway (simulated from on_tensor) or a weight_dir under a file: a
+    WeightSyncError naming the folder and the fix, which a stage treats as an engine that
+    cannot sample (a resumable checkpoint, then a stop), with no half-written folder left."""
+    params, model_state = parts
+    weight_dir = str(tmp_path / "weights")
+
+    def disk_full(name):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(WeightSyncError, match=r"weights: writing weight version 3 failed \(No space left on device\)"):
+        export_weights(CFG, params, model_state, weight_dir, "3", dtype="float32", on_tensor=disk_full)
+    assert os.listdir(weight_dir) == []
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(WeightSyncError, match="point rollout.weight_dir at a writable folder") as e:
+        export_weights(CFG, params, model_state, str(tmp_path / "a_file" / "weights"), "3")
+    assert isinstance(e.value, EngineUnavailable)
 
 
 KILL_SCRIPT = textwrap.dedent(

@@ -139,3 +139,38 @@ def test_an_engine_that_cannot_sample_checkpoints_and_stops_the_stage(tmp_path):
     again = RecordingBatches
     summary = launch(lambda it: again(it))
     assert summary["steps"] == 4 and os.path.exists(os.path.join(stage_dir, "DONE.json"))
+
+
+class PushFailsAt(IteratorBatches):
+    """Batches whose engine cannot take the weights of step `fail_at` (raised from after_step)."""
+
+    def __init__(self, iterator, fail_at):
+        super().__init__(iterator)
+        self.fail_at = fail_at
+
+    def after_step(self, step, state, metrics):
+        from ptrain.rollout.weight_sync import WeightSyncError
+
+        if step == self.fail_at:
+            raise WeightSyncError("/dev/shm/w: writing weight version 3 failed (No space left on device)")
+
+
+def test_weights_that_cannot_reach_the_engine_checkpoint_the_trained_step_and_stop(tmp_path):
+    """A failed weight export or push after step 3 keeps step 3 (no periodic checkpoint was
+    due) and stops the stage naming the cause, instead of a traceback that loses the steps."""
+    run = RunConfig(
+        run_dir=str(tmp_path),
+        model=ModelConfig(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=48, max_seq_len=64),
+        data=DataConfig(generated=GeneratedTaskConfig(n_train=40, n_eval=8), tokenizer_vocab_size=300),
+        train=TrainConfig(steps=4, global_batch_size=2, seq_len=32, eval_every=0, eval_batches=0, eval_generate=0),
+        logging=LoggingConfig(console=False, tensorboard=False, jsonl=True),
+        checkpoint=CheckpointConfig(every_steps=100, async_save=False),
+    )
+    tokenizer = tokenizer_for(run, None)
+    data_cfg = write_generated(run.data, str(tmp_path / "data"))
+    stage_dir = str(tmp_path / "stages" / "sft")
+    it = make_sft_iterator(data_cfg, tokenizer, batch_size=2, seq_len=32)
+    stage = setup_stage(run, stage_dir, None, tokenizer, kind="sft", t_start=time.time())
+    with pytest.raises(StageStopped, match=r"No space left on device\).*checkpoint at step 3"):
+        train_evaluate_export(stage, sft_algorithm(run, stage.placed.model_def), PushFailsAt(it, 3), report=it.report)
+    assert os.path.isdir(os.path.join(stage_dir, "checkpoints", "3"))
