@@ -62,6 +62,31 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_ports(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every port the fleet will take, free and distinct, before anything starts: a server left
+    listening on a worker's port would answer /health in that worker's place."""
+    import socket
+
+    ports = {f"worker {i} (--base-port + {i})": args.base_port + i for i in range(args.workers)}
+    ports["the router (--router-port)"] = args.router_port
+    ports["the router's metrics (--router-port + 1)"] = args.router_port + 1
+    seen: dict[int, str] = {}
+    for who, port in ports.items():
+        if not 1 <= port <= 65535:
+            p.error(f"port {port} of {who} is not in [1, 65535]")
+        if port in seen:
+            p.error(f"port {port} is both {seen[port]}'s and {who}'s; move --router-port or --base-port")
+        seen[port] = who
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((args.host, port))
+            except socket.gaierror as e:
+                p.error(f"--host {args.host}: not an address of this machine ({e.strerror})")
+            except OSError as e:
+                p.error(f"port {port} of {who} on {args.host}: {e.strerror}; stop what uses it or pick other ports")
+
+
 class Fleet:
     """The child processes, each in its own session so that Ctrl-C reaches only the launcher,
     which then stops them in order."""
@@ -131,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--model-path {args.model_path}: no config.json; pass a Hugging Face model folder")
     if args.workers < 1:
         p.error(f"--workers must be >= 1, got {args.workers}")
+    check_ports(p, args)
     engine = args.engine
     if engine == "auto":
         engine = "sglang" if sglang_runs() else "ptrain"
