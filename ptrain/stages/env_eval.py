@@ -69,11 +69,15 @@ async def _rollouts(env: Environment, tasks, engine, sampling: SamplingParams, s
     return await asyncio.gather(*coros)
 
 
-def evaluate_envs(envs: Mapping[str, Environment], engine, cfg, *, seed: int = 0, audit=None) -> dict[str, float]:
+def evaluate_envs(
+    envs: Mapping[str, Environment], engine, cfg, *, seed: int = 0, audit=None, strict: bool = False
+) -> dict[str, float]:
     """Greedy `<env>/<metric>` for every environment (pass@1, reward, lengths, tool use,
     tokens), with cfg.samples > 0 also `<env>/sampled/<metric>` over that many samples at
     cfg.temperature (reward, accuracy = avg@k, pass@k), and the means over environments.
-    `cfg` is an algo.eval config; `audit` an AuditLog for every episode (record "eval")."""
+    `cfg` is an algo.eval config; `audit` an AuditLog for every episode (record "eval").
+    strict: ValueError when every episode of an environment failed (the engine refused every
+    prompt, its server is unreachable): its numbers would be zeros that measure nothing."""
     runs = [("", SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=0.0, n=1), (1,))]
     if cfg.samples > 0:
         sampled = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, n=cfg.samples)
@@ -89,9 +93,14 @@ def evaluate_envs(envs: Mapping[str, Environment], engine, cfg, *, seed: int = 0
             if audit is not None:
                 for ts in results:
                     audit.write_all(ts, record="eval", decoding=prefix.rstrip("/") or "greedy")
+            flat = [t for ts in results for t in ts]
+            if strict and flat and all(t.error is not None for t in flat):
+                raise ValueError(
+                    f"every one of the {len(flat)} {prefix.rstrip('/') or 'greedy'} episodes of environment "
+                    f"'{name}' failed, the first with: {flat[0].error}"
+                )
             summary = summarize(results, ks)
             if prefix:
-                flat = [t for ts in results for t in ts]
                 summary["accuracy"] = float(np.mean([is_correct(t) for t in flat])) if flat else 0.0
             for key, value in summary.items():
                 out[f"{name}/{prefix}{key}"] = value

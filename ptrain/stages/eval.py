@@ -61,7 +61,7 @@ def run_eval_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
     logger = MetricsLogger(run.logging, stage_dir, total_steps=1, start_step=0, name=f"eval {stage.name}")
     audit = AuditLog(os.path.join(stage_dir, "audit.jsonl"))
     try:
-        metrics = evaluate_envs(envs, engine, cfg, audit=audit)
+        metrics = evaluate_envs(envs, engine, cfg, audit=audit, strict=True)
         logger.log(0, metrics, prefix="eval")
     finally:
         engine.close()

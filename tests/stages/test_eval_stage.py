@@ -71,3 +71,24 @@ def test_an_environment_without_held_out_tasks_is_a_config_error(tmp_path):
         "have none (n_eval=0); pass envs.math.n_eval=N, or leave them out of the stage's envs list"
     )
     assert not (tmp_path / "stages" / "eval" / "DONE.json").exists()
+
+
+def test_an_environment_whose_every_episode_failed_stops_the_eval_stage():
+    """Every prompt refused (longer than rollout.context_length, a dead NeMo Gym server): the
+    stage was marked done with zeros, which a relaunch then skipped. The periodic evaluation
+    of an RL stage still reports it and goes on."""
+    from ptrain.config.env import EnvConfig
+    from ptrain.config.grpo import EvalAlgoConfig
+    from ptrain.data.tokenizer import build_tokenizer
+    from ptrain.envs.registry import make_env
+    from ptrain.rollout.replay import ReplayEngine
+    from ptrain.stages.env_eval import evaluate_envs
+
+    tok = build_tokenizer(vocab_size=300)
+    env = make_env(EnvConfig(kind="countdown", n_train=1, n_eval=2), tokenizer=tok)
+    refusing = ReplayEngine([], tokenizer=tok)  # no completions: every request is refused
+    cfg = EvalAlgoConfig(max_new_tokens=8)
+    with pytest.raises(ValueError, match=r"every one of the 2 greedy episodes of environment 'countdown' failed, "
+                       r"the first with: replay engine: no completion left for rid 'countdown/eval-0'"):  # fmt: skip
+        evaluate_envs({"countdown": env}, refusing, cfg, strict=True)
+    assert evaluate_envs({"countdown": env}, refusing, cfg)["countdown/env_errors"] == 2
