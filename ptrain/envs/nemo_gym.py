@@ -55,6 +55,7 @@ import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -993,6 +994,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.concurrency < 1:
         p.error(f"--concurrency must be >= 1, got {args.concurrency}")
+    for flag in ("timeout", "verify_timeout", "connect_timeout"):
+        value = getattr(args, flag)
+        # A negative one times out at once, which reads as a dead server; nan is a traceback.
+        if not 0 < value < math.inf:
+            p.error(f"--{flag.replace('_', '-')} must be a number of seconds > 0, got {value}")
+    url = urlsplit(args.url)
+    if url.scheme not in ("http", "https") or not url.netloc or url.path not in ("", "/") or url.query:
+        p.error(f"--url must be the server's base URL, http://host:port (no route), got {args.url!r}")
     return _cli_reverify(args)
 
 

@@ -507,6 +507,28 @@ def test_reverify_without_the_task_fields_names_the_refusal(session_state):
     assert lines[-1] == "mean_reward nan"
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--connect-timeout", "-1"], "--connect-timeout must be a number of seconds > 0, got -1.0"),
+        (["--verify-timeout", "nan"], "--verify-timeout must be a number of seconds > 0, got nan"),
+        (["--timeout", "0"], "--timeout must be a number of seconds > 0, got 0.0"),
+        (["--url", "127.0.0.1:8000"], "--url must be the server's base URL, http://host:port (no route), got "),
+        (["--url", "http://127.0.0.1:8000/verify"], "--url must be the server's base URL"),
+    ],
+)
+def test_reverify_refuses_bad_flags_before_sending_anything(tmp_path, capsys, flags, message):
+    """A negative timeout timed out at once and read as 'the server is unreachable ... fix
+    --url'; nan was a ValueError traceback from anyio."""
+    from ptrain.envs.nemo_gym import main
+
+    rollouts = tmp_path / "rollouts.jsonl"
+    rollouts.write_text(GOOD_ROW + "\n")
+    with pytest.raises(SystemExit) as e:
+        main(["reverify", "--url", "http://127.0.0.1:1", *flags, str(rollouts)])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- bad rows, bad servers
 
 
