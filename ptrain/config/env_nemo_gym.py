@@ -83,7 +83,11 @@ class NemoGymOptions:
               "the resources server's base URL is required, e.g. http://127.0.0.1:8001 "
               "(python tools/nemo_gym_servers.py NAME serves one and prints it)")  # fmt: skip
         parts = urlsplit(self.url)
-        check(parts.scheme in ("http", "https") and bool(parts.netloc), "url",
+        try:
+            parts.port  # noqa: B018 - raises ValueError on a port that is not a number in 0..65535
+        except ValueError:
+            check(False, "url", f"its port is not a number in 0..65535, got {self.url!r}")
+        check(parts.scheme in ("http", "https") and bool(parts.hostname), "url",
               f"must be http://host:port or https://host:port, got {self.url!r}")  # fmt: skip
         check(parts.path in ("", "/") and not parts.query, "url",
               f"give the server's base URL without a route or query, got {self.url!r}")  # fmt: skip

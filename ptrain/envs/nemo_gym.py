@@ -1000,7 +1000,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not 0 < value < math.inf:
             p.error(f"--{flag.replace('_', '-')} must be a number of seconds > 0, got {value}")
     url = urlsplit(args.url)
-    if url.scheme not in ("http", "https") or not url.netloc or url.path not in ("", "/") or url.query:
+    try:
+        url.port  # noqa: B018 - raises ValueError on a port that is not a number in 0..65535
+    except ValueError:
+        url = urlsplit("")
+    if url.scheme not in ("http", "https") or not url.hostname or url.path not in ("", "/") or url.query:
         p.error(f"--url must be the server's base URL, http://host:port (no route), got {args.url!r}")
     return _cli_reverify(args)
 

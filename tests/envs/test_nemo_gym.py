@@ -515,6 +515,7 @@ def test_reverify_without_the_task_fields_names_the_refusal(session_state):
         (["--timeout", "0"], "--timeout must be a number of seconds > 0, got 0.0"),
         (["--url", "127.0.0.1:8000"], "--url must be the server's base URL, http://host:port (no route), got "),
         (["--url", "http://127.0.0.1:8000/verify"], "--url must be the server's base URL"),
+        (["--url", "http://127.0.0.1:99999"], "--url must be the server's base URL"),
     ],
 )
 def test_reverify_refuses_bad_flags_before_sending_anything(tmp_path, capsys, flags, message):
@@ -582,6 +583,9 @@ def test_options_are_checked_before_anything_runs(tmp_path):
         ({"rows": str(rows)}, "options.url': the resources server's base URL is required"),
         ({"url": "127.0.0.1:8000", "rows": str(rows)}, "must be http://host:port"),
         ({"url": "http://127.0.0.1:8000/verify", "rows": str(rows)}, "without a route"),
+        # Each episode failed at its first request (httpx: InvalidURL), naming no key.
+        ({"url": "http://127.0.0.1:99999", "rows": str(rows)}, "options.url': its port is not a number in 0..65535"),
+        ({"url": "http://:8000", "rows": str(rows)}, "must be http://host:port"),
         ({"url": "http://127.0.0.1:8000"}, "options.rows'"),
         ({"url": "http://127.0.0.1:8000", "rows": str(tmp_path / "none.jsonl")}, "no file"),
         ({"url": "http://127.0.0.1:8000", "rows": str(rows), "max_turns": 0}, "options.max_turns'"),
