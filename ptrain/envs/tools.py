@@ -484,6 +484,7 @@ class CalculatorError(ValueError):
 
 _MAX_EXPRESSION = 500
 _MAX_INT_BITS = 4096
+_MAX_DIGITS = math.ceil(_MAX_INT_BITS * math.log10(2))  # decimal digits of the largest int
 _BINARY = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
@@ -547,6 +548,11 @@ def _evaluate(node: ast.AST) -> int | float:
         args = [_evaluate(a) for a in node.args]
         if node.func.id == "factorial" and (not args or not isinstance(args[0], int) or args[0] > 500):
             raise CalculatorError("factorial takes one integer up to 500")
+        if node.func.id == "round" and len(args) == 2 and all(type(a) is int for a in args):
+            # round(7, -10**8) builds 10**(10**8) first, past 20 s on the event loop. Every int
+            # here is below 10**_MAX_DIGITS, so rounding it to a coarser place than that gives 0,
+            # exactly what the huge place would give.
+            args[1] = max(args[1], -_MAX_DIGITS - 1)
         try:
             return _check_size(_FUNCTIONS[node.func.id](*args))
         except (ValueError, TypeError, OverflowError) as e:

@@ -9,6 +9,7 @@ import io
 import json
 import os
 import tarfile
+import time
 
 import pytest
 
@@ -132,6 +133,16 @@ def test_calculator_is_exact_on_integers_and_handles_functions():
 def test_calculator_refuses_what_is_not_bounded_arithmetic(expr, match):
     with pytest.raises(CalculatorError, match=match):
         calculate(expr)
+
+
+def test_calculator_rounds_to_a_huge_place_at_once():
+    """round(7, -10**8) built 10**(10**8) first: past 20 s on the event loop that runs every
+    episode. The answer is 0 for any place coarser than the largest int the calculator holds."""
+    start = time.monotonic()
+    assert calculate("round(7, -100000000)") == 0
+    assert calculate("round(-2 ** 2000, -10 ** 9)") == 0
+    assert time.monotonic() - start < 1.0
+    assert calculate("round(123456, -2)") == 123500 and calculate("round(7, 10 ** 9)") == 7
 
 
 def test_calculator_tool_answers_errors_as_observations(workspace):
