@@ -164,6 +164,13 @@ def _grpo_stage_batch(run: RunConfig, where: str) -> None:
         f"{g.max_new_tokens} leaves no room for the prompt in train.seq_len={run.train.seq_len}; raise seq_len",
         where,
     )
+    _check(
+        run.rollout.kind != "local" or g.group_size <= run.rollout.max_running_requests,
+        "algo.grpo.group_size",
+        f"{g.group_size} samples of a prompt run at once, but the local engine decodes at most "
+        f"rollout.max_running_requests={run.rollout.max_running_requests}; raise that or lower group_size",
+        where,
+    )
     ctx = run.rollout.context_length
     _check(
         ctx is None or g.max_new_tokens < ctx,

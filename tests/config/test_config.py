@@ -75,6 +75,15 @@ def test_stage_overrides_merge_over_top_level_nodes():
             ],
             "rollout.context_length",
         ),
+        (
+            [
+                "stages=[{name: g, kind: grpo}]",
+                "env=arithmetic",
+                "algo.grpo.max_new_tokens=32",
+                "rollout.max_running_requests=4",
+            ],
+            "algo.grpo.group_size",
+        ),  # fmt: skip
     ],
 )
 def test_impossible_values_name_their_key(overrides, key):
