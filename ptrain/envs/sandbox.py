@@ -246,7 +246,9 @@ def _collect_files(files: FilesArg, cfg: SandboxConfig) -> list[_Entry]:
             if not root.exists():
                 raise ValueError(f"files: {str(root)!r} does not exist (pass a folder, a file or a dict)")
             if root.is_file():
-                entries.append(_open_host_file(root, root.name))
+                # The caller named this path, so a link to a file is followed here (links
+                # inside a folder are copied as links).
+                entries.append(_open_host_file(root.resolve(), root.name))
             else:
                 for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
                     dirnames.sort()
@@ -276,6 +278,10 @@ def _collect_files(files: FilesArg, cfg: SandboxConfig) -> list[_Entry]:
                 f"files: {total / 2**20:.1f} MiB do not fit the scratch folder "
                 f"(sandbox.scratch_mb={cfg.scratch_mb}); raise scratch_mb"
             )
+    except OSError as e:  # an unreadable host file, a link loop: the caller's files, not a crash
+        _close_entries(entries)
+        where = f"{e.filename!r}: {e.strerror}" if e.filename else str(e)
+        raise ValueError(f"files: cannot copy {where}") from None
     except BaseException:
         _close_entries(entries)
         raise

@@ -489,6 +489,26 @@ def test_config_errors_name_the_field():
             Sandbox(SandboxConfig(**fields))
 
 
+def test_files_that_cannot_be_read_are_named_not_a_traceback(tmp_path, monkeypatch):
+    """--files naming a link to a file raised OSError (ELOOP from O_NOFOLLOW) from deep in the
+    copy; now the named link is followed. An unreadable file is a ValueError naming it."""
+    (tmp_path / "real.txt").write_text("payload")
+    (tmp_path / "link.txt").symlink_to(tmp_path / "real.txt")
+    p = _cli("--files", str(tmp_path / "link.txt"), "--", "cat", "link.txt")
+    assert (p.returncode, p.stdout) == (0, b"payload"), p.stderr
+    secret = str(tmp_path / "real.txt")
+    real_open = os.open
+
+    def denied(path, *args, **kwargs):
+        if os.fspath(path) == secret:
+            raise PermissionError(13, "Permission denied", secret)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", denied)
+    with pytest.raises(ValueError, match=r"files: cannot copy '.*real.txt': Permission denied"):
+        Sandbox(SandboxConfig()).run(["true"], files=str(tmp_path))
+
+
 def test_limits_no_rlimit_can_hold_are_config_errors(tmp_path):
     """An infinite timeout overflowed RLIMIT_CPU's conversion (a raw OverflowError), and a
     memory cap past 2**63 bytes failed the backend probe, which then said to install bwrap."""
