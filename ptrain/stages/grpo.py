@@ -184,6 +184,14 @@ class RolloutBatches:
                     dropped_zero_std += 1
                     continue
                 groups.append(g)
+        failed = [t.error for g in seen for t in g.trajectories if t.error is not None]
+        if failed and len(failed) == sum(len(g.trajectories) for g in seen):
+            # A batch of nothing but failures trains on nothing, and so would the next ones:
+            # stop resumably (the task order is put back) instead of finishing an empty stage.
+            raise EngineUnavailable(
+                f"every one of the {len(failed)} samples of this rollout batch failed, so it has nothing to "
+                f"train on; the first: {failed[0]}"
+            )
         if not groups:  # every group was degenerate: train on them (zero advantages) rather than stall
             groups = seen[: cfg.prompts_per_step]
         record = getattr(self.collector.tasks, "record", None)  # a pass-rate curriculum learns from every group

@@ -172,3 +172,19 @@ def test_a_fleet_with_no_healthy_worker_stops_the_stage_naming_it(tmp_path):
     assert "ptrain: stopped:" in out.stderr and "127.0.0.1:9" in out.stderr, out.stderr[-2000:]
     assert "re-launch the same command to resume" in out.stderr
     assert not (tmp_path / "stages" / "grpo" / "DONE.json").exists()
+
+
+@pytest.mark.slow
+def test_a_rollout_batch_of_nothing_but_failed_samples_stops_the_stage(tmp_path):
+    """Prompts longer than the engine's context: every request is refused, so instead of
+    training on nothing to the end the stage stops resumably with the engine's reason."""
+    args = [a for a in TINY if not a.startswith("algo.grpo.max_new_tokens")]
+    out = subprocess.run(
+        [sys.executable, "-m", "ptrain", *args, "train.steps=2", "algo.grpo.max_new_tokens=4",
+         "rollout.context_length=8", f"run_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "ptrain: stopped: every one of the 16 samples of this rollout batch failed" in out.stderr, out.stderr[-2000:]
+    assert "the context length is 8" in out.stderr and "re-launch the same command to resume" in out.stderr
+    assert not (tmp_path / "stages" / "grpo" / "DONE.json").exists()
