@@ -108,6 +108,9 @@ class EpisodeState:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str = "episode state") -> EpisodeState:
+        if not isinstance(d, dict):
+            raise ValueError(f"{where}: a JSON {type(d).__name__}, not an episode state; delete it to run that "
+                             "episode again")  # fmt: skip
         if d.get("version") != STATE_VERSION:
             raise ValueError(
                 f"{where}: state version {d.get('version')!r}, this ptrain reads version {STATE_VERSION}; "
@@ -117,6 +120,11 @@ class EpisodeState:
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"{where}: unknown field(s) {unknown}")
+        required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING
+                    and f.default_factory is dataclasses.MISSING]  # fmt: skip
+        missing = [k for k in required if k not in d]
+        if missing:
+            raise ValueError(f"{where}: missing field(s) {missing}; delete it to run that episode again")
         return cls(**d)
 
     def trajectory(self, task) -> Trajectory:

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -20,7 +21,7 @@ from ptrain.config.env_multi_turn import LongHorizonOptions, ToolUseOptions
 from ptrain.data.tokenizer import build_tokenizer
 from ptrain.envs.audit import AuditLog, read_audit
 from ptrain.envs.base import Task, Trajectory
-from ptrain.envs.episode import EpisodeStore
+from ptrain.envs.episode import STATE_VERSION, EpisodeStore
 from ptrain.envs.long_horizon import LongHorizonEnv
 from ptrain.envs.multi_turn import TOOLS_SYSTEM_PROMPT, ChatFormat, ChatTemplateError, parse_tool_calls
 from ptrain.envs.safety import RewardRunner
@@ -487,3 +488,19 @@ def test_end_to_end_on_a_local_engine_reuses_the_prefix_cache(tok, runner):
             assert tr.tokens.prompt_cached >= sum(prompts[:-1])
             assert tr.tokens.prompt_uncached < total / 2
     assert multi >= 1
+
+
+def test_a_damaged_episode_file_is_named_with_the_fix(tmp_path):
+    """A JSON list or an object without the token fields raised AttributeError / TypeError
+    from the dataclass; now, as for a file that is not JSON, the error names it."""
+    store = EpisodeStore(str(tmp_path))
+    path = Path(store.path("tool_use", "train-0", 0))
+    path.parent.mkdir(parents=True)
+    for text, match in (
+        ("{broken", "is not valid JSON"),
+        ("[1, 2]", "a JSON list, not an episode state; delete it"),
+        (json.dumps({"version": STATE_VERSION, "env": "tool_use"}), r"missing field\(s\) \['task_id', 'sample_index'"),
+    ):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=match):
+            store.load("tool_use", "train-0", 0)
