@@ -146,9 +146,18 @@ class RolloutBatches:
         return {"collector": self.collector.get_state(), "version": self.version, "cost_usd": self.cost_usd}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        self.collector.set_state(state["collector"])
-        self.version = int(state.get("version", 0))
-        self.cost_usd = float(state.get("cost_usd", 0.0))
+        try:
+            self.collector.set_state(state["collector"])
+            self.version = int(state.get("version", 0))
+            self.cost_usd = float(state.get("cost_usd", 0.0))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            from ptrain.checkpoint import CheckpointError
+
+            raise CheckpointError(
+                f"the checkpoint in {os.path.join(self.stage.dir, 'checkpoints')} that the stage resumes from holds "
+                f"no GRPO rollout state ({type(e).__name__}: {e}): a stage of another kind wrote it under this "
+                "name, or it is damaged; rename the stage, or delete that folder to restart it"
+            ) from None
 
     # ------------------------------------------------------------------ one rollout batch
 

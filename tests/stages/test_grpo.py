@@ -188,3 +188,21 @@ def test_a_rollout_batch_of_nothing_but_failed_samples_stops_the_stage(tmp_path)
     assert "ptrain: stopped: every one of the 16 samples of this rollout batch failed" in out.stderr, out.stderr[-2000:]
     assert "the context length is 8" in out.stderr and "re-launch the same command to resume" in out.stderr
     assert not (tmp_path / "stages" / "grpo" / "DONE.json").exists()
+
+
+@pytest.mark.slow
+def test_a_checkpoint_without_rollout_state_is_an_error_naming_the_folder(tmp_path):
+    """A checkpoint whose data item is readable JSON but not a GRPO stage's (another stage kind
+    under this name, or a damaged file): one message naming the folder, not a KeyError."""
+    run(tmp_path, "train.steps=2")
+    stage = tmp_path / "stages" / "grpo"
+    (stage / "DONE.json").unlink()
+    (stage / "checkpoints" / "2" / "data" / "metadata").write_text(json.dumps({"ptrain_examples": 8}))
+    out = subprocess.run(
+        [sys.executable, "-m", "ptrain", *TINY, "train.steps=4", f"run_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-3000:]
+    want = f"ptrain: error: the checkpoint in {stage / 'checkpoints'} that the stage resumes from holds no GRPO"
+    assert want + " rollout state (KeyError: 'collector')" in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
