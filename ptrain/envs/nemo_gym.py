@@ -351,8 +351,13 @@ class BadRow:
 
 def read_rows(path: str) -> Iterable[tuple[int, Any, str | None]]:
     """(line number, parsed row or None, problem or None) for each non-blank line of a JSONL file."""
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield n, None, f"not UTF-8 text ({e})"
+                continue
             if not line.strip():
                 continue
             try:

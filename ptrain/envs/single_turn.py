@@ -87,8 +87,12 @@ def load_rows(
     if not os.path.isfile(path):
         raise FileNotFoundError(f"config key '{key}': no file '{path}'; pass a JSONL file")
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{line_no}: not UTF-8 text ({e}); write UTF-8 JSONL") from None
             if not line.strip():
                 continue
             try:

@@ -695,8 +695,14 @@ class Corpus:
             raise FileNotFoundError(
                 f"search corpus {path!r} does not exist; pass a JSONL file or null for the bundled one"
             )
-        with open(path, encoding="utf-8") as f:
-            docs = _parse_corpus(f.read(), path)
+        with open(path, "rb") as f:
+            data = f.read()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = data.count(b"\n", 0, e.start) + 1
+            raise ValueError(f"{path}:{line}: not UTF-8 text ({e}); write the corpus as UTF-8 JSONL") from None
+        docs = _parse_corpus(text, path)
         if not docs:
             raise ValueError(f"search corpus {path!r} has no rows; write one JSON object per line, or pass null")
         return cls(docs)

@@ -129,6 +129,15 @@ def test_rows_with_unusable_values_name_the_line(tok, tmp_path, row, match):
         env.tasks("train", seed=0)
 
 
+def test_a_file_that_is_not_utf8_names_the_line(tok, tmp_path):
+    """It was ptrain: error: 'utf-8' codec can't decode byte 0x89 ..., naming no file."""
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(json.dumps({"question": "q", "answer": "1"}).encode() + b"\n\x89PNG\n")
+    env = make_env(EnvConfig(kind="math", n_eval=0, options={"path": str(path)}), tokenizer=tok)
+    with pytest.raises(ValueError, match=r"rows.jsonl:2: not UTF-8 text"):
+        env.tasks("train", seed=0)
+
+
 def test_worker_thread_scores_correct_one_and_cuts_a_hang(tok):
     """verl's trap: math-verify's signal.alarm raises off the main thread and every score
     silently became 0. Here, from a worker thread: the right answer scores 1, the wrong 0,

@@ -556,6 +556,16 @@ def test_a_malformed_row_fails_naming_file_line_and_problem(tok, tmp_path, line,
     assert f"{rows}:2: " in str(e.value) and problem in str(e.value) and "bad_rows=skip" in str(e.value)
 
 
+def test_a_row_that_is_not_utf8_is_a_bad_row_named_by_line(tok, tmp_path):
+    """It was a UnicodeDecodeError that named no file: ptrain: error: 'utf-8' codec can't ..."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_bytes(GOOD_ROW.encode() + b"\n\x89PNG\r\n" + GOOD_ROW.encode() + b"\n")
+    with pytest.raises(RowError, match=rf"{rows}:2: not UTF-8 text .*bad_rows=skip"):
+        make_env(tok, "http://127.0.0.1:9", str(rows))
+    env = make_env(tok, "http://127.0.0.1:9", str(rows), bad_rows="skip")
+    assert [b.line for b in env.bad_rows] == [2] and len(env.tasks("train", seed=0)) == 2
+
+
 def test_malformed_rows_can_be_skipped_and_are_counted(tok, tmp_path):
     rows = tmp_path / "rows.jsonl"
     rows.write_text("\n".join([GOOD_ROW] + [line for line, _ in BAD_ROWS] + [GOOD_ROW]) + "\n")

@@ -364,3 +364,6 @@ def test_a_corpus_file_with_a_bad_row_names_the_line(tmp_path):
     path.write_text("\n")
     with pytest.raises(ValueError, match=r"search corpus '.*c.jsonl' has no rows"):
         Corpus.load(str(path))
+    path.write_bytes(json.dumps({"id": 1, "title": "t", "text": "x"}).encode() + b"\n\xff\xfe\n")
+    with pytest.raises(ValueError, match=r"c.jsonl:2: not UTF-8 text"):
+        Corpus.load(str(path))
