@@ -535,12 +535,21 @@ def describe_error(e: BaseException, timeout_s: float | None = None) -> str:
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
+def _json_object(response, what: str) -> dict:
+    """A 200 answer's JSON object; WeightSyncError (the worker's failure) for anything else,
+    such as another kind of server on the worker's port."""
+    body = response.json()  # ValueError when not JSON at all: a worker's failure as well
+    if not isinstance(body, dict):
+        raise WeightSyncError(f"{what}: answered {type(body).__name__} {str(body)[:100]}, not SGLang's JSON object")
+    return body
+
+
 async def worker_version(client, url: str, timeout_s: float) -> str:
     """The weight version a worker reports in /model_info."""
     r = await client.get(url + "/model_info", timeout=timeout_s)
     if r.status_code != 200:
         raise WeightSyncError(f"{url}/model_info: {answer_text(r)}")
-    return str(r.json().get("weight_version"))
+    return str(_json_object(r, f"{url}/model_info").get("weight_version"))
 
 
 async def push_to_worker(
@@ -581,7 +590,9 @@ async def push_to_worker(
             t_update = time.perf_counter()
             r = await client.post(url + "/update_weights_from_disk", json=body, timeout=timeout_s)
             out.update_s = time.perf_counter() - t_update
-            if r.status_code == 400 or (r.status_code == 200 and r.json().get("success") is False):
+            if r.status_code == 400 or (
+                r.status_code == 200 and _json_object(r, "POST /update_weights_from_disk").get("success") is False
+            ):
                 out.error, out.permanent = f"POST /update_weights_from_disk: {answer_text(r)}", True
                 break
             if r.status_code != 200:

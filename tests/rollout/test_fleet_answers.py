@@ -1,5 +1,6 @@
 """FleetEngine against a worker that answers 200 with bodies that are not SGLang's shape: the
-request fails naming the worker and what was wrong, and the worker is taken out of service."""
+request or weight push fails naming the worker and what was wrong, and the worker is taken
+out of service."""
 
 from __future__ import annotations
 
@@ -9,12 +10,16 @@ import time
 
 import pytest
 import uvicorn
+from flax import nnx
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from ptrain.rollout.fleet import FleetEngine, RequestFailed
+from ptrain.config.model import ModelConfig
+from ptrain.models import Decoder
+from ptrain.rollout.fleet import FleetEngine, FleetUnavailable, RequestFailed
 from ptrain.rollout.protocol import GenerateRequest, SamplingParams
+from ptrain.train.state import split_model
 
 ANSWER: dict = {}
 
@@ -27,6 +32,10 @@ async def _generate(request):
     return JSONResponse(ANSWER["body"])
 
 
+async def _update(request):
+    return JSONResponse(["ok"])
+
+
 @pytest.fixture(scope="module")
 def worker_url():
     app = Starlette(
@@ -35,6 +44,7 @@ def worker_url():
             Route("/health", _ok),
             Route("/model_info", _ok),
             Route("/generate", _generate, methods=["POST"]),
+            Route("/update_weights_from_disk", _update, methods=["POST"]),
         ]
     )
     with socket.socket() as s:
@@ -68,5 +78,17 @@ def test_a_200_answer_not_in_sglangs_shape_fails_the_request_naming_the_worker(w
         with pytest.raises(RequestFailed, match=rf"{worker_url}: POST /generate: a malformed answer \(.*{why}"):
             future.result(timeout=30)
         assert engine.stats["taken_out"] == 1
+    finally:
+        engine.close()
+
+
+def test_a_weight_update_answered_with_a_list_takes_the_worker_out_naming_the_answer(worker_url, tmp_path):
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=48)
+    _, params, model_state = split_model(Decoder(cfg, rngs=nnx.Rngs(0)))
+    engine = FleetEngine(urls=[worker_url], model_cfg=cfg, weight_dir=str(tmp_path), unhealthy_timeout_s=2,
+                         weight_push_retries=0, probe_backoff_s=0.2)  # fmt: skip
+    try:
+        with pytest.raises(FleetUnavailable, match=r"/update_weights_from_disk: answered list \['ok'\], not SGLang's"):
+            engine.update_weights(params, model_state, weight_version="1")
     finally:
         engine.close()
