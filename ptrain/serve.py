@@ -96,6 +96,30 @@ def check_address(p: argparse.ArgumentParser, host: str, port: int) -> None:
             )
 
 
+def check_template(p: argparse.ArgumentParser, path: str) -> None:
+    """A template that does not parse would fail every chat request as if the messages were
+    at fault. Parsed with the statements transformers renders with: loop controls and
+    {% generation %} blocks."""
+    import jinja2
+    import jinja2.ext
+
+    class Generation(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            jinja2.Environment(extensions=[Generation, jinja2.ext.loopcontrols]).parse(f.read())
+    except jinja2.TemplateSyntaxError as e:
+        p.error(f"--chat-template {path}: not a valid Jinja template (line {e.lineno}: {e.message})")
+    except (OSError, UnicodeDecodeError) as e:
+        p.error(f"--chat-template {path}: cannot be read ({e})")
+
+
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Mistakes in the command line end with one message (exit 2) before any model loads."""
     if not os.path.isfile(os.path.join(args.model_path, "config.json")):
@@ -108,6 +132,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--tokenizer-path {args.tokenizer_path}: not a folder")
     if args.chat_template and not os.path.isfile(args.chat_template):
         p.error(f"--chat-template {args.chat_template}: no such file")
+    if args.chat_template:
+        check_template(p, args.chat_template)
     for flag, value, low in (
         ("--port", args.port, 0),
         ("--tp-size", args.tp_size, 1),

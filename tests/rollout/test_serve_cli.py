@@ -53,6 +53,7 @@ def test_flags_are_sglangs_where_sglang_has_them():
         (["--model-path", "{model}", "--port", "{busy}"], "Address already in use); pass another --port"),
         (["--model-path", "{model}", "--host", "no.such.host.invalid"], "--host no.such.host.invalid: not an address"),
         (["--model-path", "{corrupt}"], "config.json is not valid JSON"),
+        (["--model-path", "{model}", "--chat-template", "{template}"], "not a valid Jinja template (line 1: "),
     ],
 )
 def test_command_line_mistakes_exit_2_with_one_message(argv, message, served_model_dir, tmp_path):
@@ -62,7 +63,10 @@ def test_command_line_mistakes_exit_2_with_one_message(argv, message, served_mod
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
     busy.listen()
-    subs = {"{model}": served_model_dir, "{corrupt}": str(corrupt), "{busy}": str(busy.getsockname()[1])}
+    template = tmp_path / "broken.jinja"
+    template.write_text("{% for message in %}{{ message.content }}{% endfor %}")
+    subs = {"{model}": served_model_dir, "{corrupt}": str(corrupt), "{busy}": str(busy.getsockname()[1]),
+            "{template}": str(template)}  # fmt: skip
     argv = [subs.get(a, a) for a in argv]
     out = subprocess.run(
         [sys.executable, "-m", "ptrain.serve", *argv], capture_output=True, text=True, cwd=ROOT, timeout=120
