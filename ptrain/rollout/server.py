@@ -991,6 +991,13 @@ def serve(args) -> int:
     tokenizer = None
     if not args.skip_tokenizer_init:
         tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
+        vocab = read_json_file(os.path.join(args.model_path, "config.json")).get("vocab_size")
+        if isinstance(vocab, int) and len(tokenizer) > vocab:  # its ids past the embedding would fail requests
+            raise ValueError(
+                f"the tokenizer in '{args.tokenizer_path or args.model_path}' has {len(tokenizer)} tokens, but the "
+                f"model in '{args.model_path}' has a vocabulary of {vocab}; pass the tokenizer saved with that "
+                "model (--tokenizer-path DIR)"
+            )
     chat_template = None
     if args.chat_template:
         with open(args.chat_template, encoding="utf-8") as f:

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from ptrain.data.tokenizer import get_tokenizer
 from ptrain.serve import build_parser
 from tests.rollout import sglang_schema as schema
 
@@ -108,3 +109,24 @@ def test_a_corrupt_tokenizer_names_its_folder(tmp_path, served_model_dir):
     )
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     assert f"the tokenizer in '{folder}' does not load" in out.stderr, out.stderr
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_at_start(tmp_path, served_model_dir):
+    big = get_tokenizer(None, str(tmp_path / "big"), vocab_size=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ptrain.serve",
+            "--model-path",
+            served_model_dir,
+            "--tokenizer-path",
+            str(tmp_path / "big"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert f"has {len(big)} tokens, but the model in '{served_model_dir}' has a vocabulary of" in out.stderr, out.stderr
