@@ -15,7 +15,7 @@ import os
 import time
 
 from ptrain.config import ConfigError, RunConfig
-from ptrain.stages.common import ensure_base_model, load_model, stage_mesh, tokenizer_for
+from ptrain.stages.common import StageStopped, ensure_base_model, load_model, stage_mesh, tokenizer_for
 
 
 def run_eval_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict:
@@ -28,6 +28,7 @@ def run_eval_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
     from ptrain.envs.registry import make_env
     from ptrain.metrics import MetricsLogger
     from ptrain.rollout.engines import make_engine
+    from ptrain.rollout.protocol import EngineUnavailable
     from ptrain.stages.env_eval import evaluate_envs
     from ptrain.train.state import split_model
 
@@ -55,14 +56,20 @@ def run_eval_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
     model_def, params, model_state = split_model(model)
     engine = make_engine(run, model_def, params, model_state, mesh=mesh, tokenizer=tokenizer,
                          seed=component_seed(run, "train.seed"), stage_dir=stage_dir)  # fmt: skip
-    # A fleet gets these weights now (the local engine has them already).
-    if run.rollout.kind != "local":
-        engine.update_weights(params, model_state or None, weight_version="eval", mode="abort")
     logger = MetricsLogger(run.logging, stage_dir, total_steps=1, start_step=0, name=f"eval {stage.name}")
     audit = AuditLog(os.path.join(stage_dir, "audit.jsonl"))
     try:
+        # A fleet gets these weights now (the local engine has them already).
+        if run.rollout.kind != "local":
+            engine.update_weights(params, model_state or None, weight_version="eval", mode="abort")
         metrics = evaluate_envs(envs, engine, cfg, audit=audit, strict=True)
         logger.log(0, metrics, prefix="eval")
+    except EngineUnavailable as e:
+        # Nothing to checkpoint: the stage is not marked done, so a re-launch evaluates afresh.
+        raise StageStopped(
+            f"{e} -- eval stage '{stage.name}' stopped unfinished; once the engine can sample again, re-launch "
+            "the same command"
+        ) from None
     finally:
         engine.close()
         audit.close()

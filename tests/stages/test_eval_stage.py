@@ -92,3 +92,18 @@ def test_an_environment_whose_every_episode_failed_stops_the_eval_stage():
                        r"the first with: replay engine: no completion left for rid 'countdown/eval-0'"):  # fmt: skip
         evaluate_envs({"countdown": env}, refusing, cfg, strict=True)
     assert evaluate_envs({"countdown": env}, refusing, cfg)["countdown/env_errors"] == 2
+
+
+def test_an_unreachable_fleet_stops_the_eval_stage_with_its_answers(tmp_path):
+    """It was a FleetUnavailable traceback (and the fleet client was never closed)."""
+    args = ["recipe=eval", "env=countdown", "rollout=sglang", "rollout.urls=[http://127.0.0.1:1]",
+            "rollout.unhealthy_timeout_s=1", "rollout.health_interval_s=0.2", "rollout.connect_timeout_s=0.5",
+            f"run_dir={tmp_path}", *TINY_MODEL]  # fmt: skip
+    out = subprocess.run([sys.executable, "-m", "ptrain", *args], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("ptrain: stopped: no healthy SGLang worker") and "http://127.0.0.1:1" in last, last
+    assert last.endswith("eval stage 'eval' stopped unfinished; once the engine can sample again, re-launch the same "
+                         "command")  # fmt: skip
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "stages" / "eval" / "DONE.json").exists()
