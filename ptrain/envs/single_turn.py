@@ -269,7 +269,10 @@ class SingleTurnEnv(TaskSplits):
 
     async def score(self, task: Task, text: str) -> Score:
         """Score one completion's text (module docstring, steps 1-3)."""
-        answer = self.extract(task, text)
+        try:
+            answer = self.extract(task, text)
+        except Exception as e:  # noqa: BLE001 - an extractor bug scores this sample 0 with its reason
+            return self.failed(task, f"extracting the answer raised {type(e).__name__}: {e}")
         if answer is None:
             return self.unscored()
         outcome = await asyncio.get_running_loop().run_in_executor(self.executor, self.judge_blocking, task, answer)

@@ -50,3 +50,33 @@ def test_impossible_counts_name_the_env_keys(tok):
     )
     with pytest.raises(ValueError, match=r"envs\.arithmetic\.n_train.*envs\.arithmetic\.options\.max_digits"):
         env.tasks("train", seed=0)
+
+
+def test_a_completion_past_the_int_digit_limit_scores_zero(tok):
+    """`Answer: ` and 5000 digits made int() raise in the trainer's process: the rollout, and
+    with it the RL stage, died with "Exceeds the limit (4300 digits)"."""
+    from ptrain.envs.arithmetic import check_answer, extract_answer
+
+    huge = "Answer: " + "9" * 5000
+    assert extract_answer(huge) == "9" * 5000 and not check_answer({"answer": "9"}, huge)
+    assert extract_answer("Answer: 007") == "7"
+    env = make_env(EnvConfig(kind="arithmetic", n_train=1, n_eval=0, reward_workers=1), tokenizer=tok)
+    try:
+        task = env.tasks("train", seed=0)[0]
+        (t,) = asyncio.run(env.rollout(task, ReplayEngine([huge], tokenizer=tok), SamplingParams(max_new_tokens=6000)))
+        assert t.reward == 0.0 and t.reward_error is None and t.metrics["correct"] == 0.0
+    finally:
+        env.close()
+
+
+def test_an_extractor_that_raises_scores_the_sample_zero_with_its_reason(tok):
+    env = make_env(EnvConfig(kind="arithmetic", n_train=1, n_eval=0, reward_workers=1), tokenizer=tok)
+
+    def broken(task, text):
+        raise RuntimeError("extractor bug")
+
+    env.extract = broken
+    task = env.tasks("train", seed=0)[0]
+    (t,) = asyncio.run(env.rollout(task, ReplayEngine(["Answer: 3"], tokenizer=tok), SamplingParams()))
+    assert t.reward == 0.0 and t.reward_error == "extracting the answer raised RuntimeError: extractor bug"
+    assert env.stats["reward_errors"] == 1
