@@ -463,9 +463,13 @@ class Verdict:
 
 
 def _number(x: Any) -> float | None:
-    if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x):
+    if isinstance(x, bool) or not isinstance(x, int | float):
         return None
-    return float(x)
+    try:
+        value = float(x)
+    except OverflowError:  # a JSON integer past float's range
+        return None
+    return value if math.isfinite(value) else None
 
 
 def read_verdict(answer: Mapping[str, Any], sent: Mapping[str, Any], *, where: str, tolerance: float = 1e-6) -> Verdict:
@@ -484,7 +488,7 @@ def read_verdict(answer: Mapping[str, Any], sent: Mapping[str, Any], *, where: s
     reward = _number(answer.get("reward"))
     if reward is None:
         return Verdict(0.0, {}, f"{where} answered without a finite number as reward: "
-                       f"reward={answer.get('reward')!r}", record, metrics)  # fmt: skip
+                       f"reward={answer.get('reward')!r:.80}", record, metrics)  # fmt: skip
     components: dict[str, float] = {}
     raw = answer.get("reward_components")
     error = None

@@ -370,9 +370,12 @@ def test_verify_answers_are_read_strictly():
         1.5, {"a": 1.0, "b": 0.5}, None, {"verify_score": 0.5})  # fmt: skip
     bad_sum = read_verdict({"reward": 2.0, "reward_components": {"a": 1.0}}, sent, where="POST u/verify")
     assert bad_sum.reward == 0.0 and "not the sum of reward_components" in bad_sum.reward_error
-    for answer in ({"reward": None}, {"reward": "1"}, {"reward": float("nan")}, {}):
+    for answer in ({"reward": None}, {"reward": "1"}, {"reward": float("nan")}, {}, {"reward": 10**400}):
         v = read_verdict(answer, sent, where="POST u/verify")
         assert v.reward == 0.0 and "without a finite number as reward" in v.reward_error
+    # A JSON integer past float's range raised OverflowError out of the episode, ending the stage.
+    huge = read_verdict({"reward": 1.0, "reward_components": {"a": 10**400}, "score": 10**400}, sent, where="v")
+    assert huge.reward == 0.0 and "must map names to finite numbers" in huge.reward_error and huge.metrics == {}
     judged = read_verdict({"reward": 0.0, "_ng_failure_class": "judge_failed"}, sent, where="POST u/verify")
     assert judged.reward == 0.0 and "_ng_failure_class='judge_failed'" in judged.reward_error
     assert judged.metrics == {"verify_failed": 1.0}
