@@ -140,6 +140,9 @@ class SamplingParams:
             raise RequestError(f"sampling_params.min_p: must be in [0, 1], got {self.min_p}")
         if self.n < 1:
             raise RequestError(f"sampling_params.n: must be >= 1, got {self.n}")
+        if self.sampling_seed is not None and not -(2**63) <= self.sampling_seed < 2**63:
+            # A PRNG key takes a 64-bit seed; a larger one would fail inside the engine's thread.
+            raise RequestError(f"sampling_params.sampling_seed: must fit in 64 bits (signed), got {self.sampling_seed}")
         if vocab_size is not None:
             bad = [i for i in self.stop_token_ids if not 0 <= i < vocab_size]
             if bad:

@@ -221,6 +221,7 @@ def test_bad_requests_name_the_problem(engine):
         (req([1], n=9), "max_running_requests"),
         (req([1], top_p=0.0), "top_p"),
         (req([1], stop_token_ids=[99]), "stop_token_ids"),
+        (req([1], sampling_seed=2**64), "sampling_seed: must fit in 64 bits"),  # it used to end the engine thread
         (GenerateRequest((1, 2), return_prompt_logprobs_from=2), "logprob_start_len"),
     ]
     for bad, words in cases:
