@@ -157,6 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers < 1:
         p.error(f"--workers must be >= 1, got {args.workers}")
     check_ports(p, args)
+    for flag, text in (("--worker-args", args.worker_args), ("--router-args", args.router_args)):
+        try:
+            shlex.split(text)
+        except ValueError as e:
+            p.error(f"{flag} {text!r}: {e}; quote it as one shell word, e.g. --worker-args '--tp-size 2'")
     engine = args.engine
     if engine == "auto":
         engine = "sglang" if sglang_runs() else "ptrain"

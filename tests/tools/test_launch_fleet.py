@@ -30,10 +30,14 @@ def busy_port():
         (["--base-port", "30000", "--router-port", "29999"], "port 30000 is both worker 0 (--base-port + 0)'s and"),
         (["--base-port", "65535"], "port 65536 of worker 1 (--base-port + 1) is not in [1, 65535]"),
         (["--host", "no.such.host.invalid"], "--host no.such.host.invalid: not an address of this machine"),
+        (
+            ["--base-port", "{free}", "--router-port", "{free+5}", "--worker-args", "'--tp-size 2"],
+            '--worker-args "\'--tp-size 2": No closing quotation',
+        ),
     ],
 )
 def test_ports_it_cannot_use_exit_2_before_starting_anything(flags, message, model_dir, busy_port, capsys):
-    subs = {"{busy}": busy_port, "{busy-1}": busy_port - 1, "{free}": busy_port + 10}
+    subs = {"{busy}": busy_port, "{busy-1}": busy_port - 1, "{free}": busy_port + 10, "{free+5}": busy_port + 15}
     argv = ["--model-path", model_dir, "--workers", "2", *(str(subs.get(f, f)) for f in flags)]
     with pytest.raises(SystemExit) as e:
         launch_fleet.main(argv)
