@@ -1,4 +1,4 @@
-"""tools/launch_fleet.py: ports it cannot use end the launch with one message before any
+"""tools/launch_fleet.py: ports it cannot use (and flags it cannot parse) end the launch with one message before any
 process starts (a server left on a worker's port would answer /health in its place)."""
 
 import socket
@@ -36,7 +36,7 @@ def busy_port():
         ),
     ],
 )
-def test_ports_it_cannot_use_exit_2_before_starting_anything(flags, message, model_dir, busy_port, capsys):
+def test_launch_mistakes_exit_2_before_starting_anything(flags, message, model_dir, busy_port, capsys):
     subs = {"{busy}": busy_port, "{busy-1}": busy_port - 1, "{free}": busy_port + 10, "{free+5}": busy_port + 15}
     argv = ["--model-path", model_dir, "--workers", "2", *(str(subs.get(f, f)) for f in flags)]
     with pytest.raises(SystemExit) as e:
