@@ -388,6 +388,11 @@ class LocalEngine(EngineBase):
     def weight_version(self) -> str:
         return self._weight_version
 
+    @property
+    def failure(self) -> BaseException | None:
+        """What ended the engine thread, if it failed (the engine then serves nothing more)."""
+        return self._failure
+
     def submit(self, request: GenerateRequest, on_update=None) -> concurrent.futures.Future:
         """Queue a request (RolloutEngine.submit). Raises RequestError for a request this
         engine can never serve, with the field and the limit named."""

@@ -34,6 +34,8 @@ import json
 import logging
 import os
 import signal
+import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -1059,13 +1061,30 @@ def serve(args) -> int:
     # uvicorn drains on SIGTERM, then re-raises the signal to the handler it found; ours
     # turns that into a normal return, so a drained server exits 0 (Ctrl-C likewise).
     previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    server = DrainingServer(config)
+
+    def watch_engine() -> None:
+        # An engine whose thread failed serves nothing again; SGLang's server exits when its
+        # scheduler dies, and so does this one, so that a supervisor or the fleet client sees
+        # a dead worker rather than one that answers /health and fails every request.
+        while engine.failure is None and not server.should_exit:
+            time.sleep(0.5)
+        if engine.failure is not None:
+            log.error("the engine thread failed (%r); stopping the server", engine.failure)
+            front.draining = True
+            server.should_exit = True
+
+    threading.Thread(target=watch_engine, name="ptrain-serve-watch", daemon=True).start()
     try:
-        DrainingServer(config).run()
+        server.run()
     except (Stopped, KeyboardInterrupt):
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
         engine.close()
+    if engine.failure is not None:
+        print(f"ptrain.serve: error: the engine thread failed: {engine.failure!r} (traceback above)", file=sys.stderr)
+        return 1
     log.info("server stopped")
     return 0
 

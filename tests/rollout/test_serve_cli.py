@@ -130,3 +130,34 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_at_start(tmp_p
     )
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     assert f"has {len(big)} tokens, but the model in '{served_model_dir}' has a vocabulary of" in out.stderr, out.stderr
+
+
+FAILING_ENGINE = """
+import sys
+from ptrain.rollout.local import LocalEngine
+from ptrain.serve import main
+
+admit = LocalEngine._admit
+
+
+def failing_admit(self):
+    if self._queue:  # the first request (the warm-up) ends the engine thread
+        raise RuntimeError("injected")
+    return admit(self)
+
+
+LocalEngine._admit = failing_admit
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_server_whose_engine_thread_fails_exits_1_naming_the_failure(served_model_dir):
+    out = subprocess.run(
+        [sys.executable, "-c", FAILING_ENGINE, "--model-path", served_model_dir, "--port", "0"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "ptrain.serve: error: the engine thread failed: RuntimeError('injected')" in out.stderr, out.stderr[-3000:]
