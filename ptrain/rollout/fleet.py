@@ -893,7 +893,9 @@ class FleetEngine(EngineBase):
                 hint = (
                     "; rollout.weight_push_mode=drain updates without pausing"
                     if mode == "pause" and any("paused" in r for r in refused)
-                    else ""
+                    # The folder is complete here, so a worker that refuses it may not see it.
+                    else "; every worker must read that folder (rollout.weight_dir: a file system they share, "
+                    "or /dev/shm for workers on this host) and serve the policy's architecture"
                 )
                 raise WeightSyncError(
                     f"workers refused weight version {version!r} from {folder}: {'; '.join(refused)}{hint}"

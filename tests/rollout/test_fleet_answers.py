@@ -17,7 +17,7 @@ from starlette.routing import Route
 
 from ptrain.config.model import ModelConfig
 from ptrain.models import Decoder
-from ptrain.rollout.fleet import FleetEngine, FleetUnavailable, RequestFailed
+from ptrain.rollout.fleet import FleetEngine, FleetUnavailable, RequestFailed, WeightSyncError
 from ptrain.rollout.protocol import GenerateRequest, SamplingParams
 from ptrain.train.state import split_model
 
@@ -33,6 +33,9 @@ async def _generate(request):
 
 
 async def _update(request):
+    if ANSWER.get("update") == "refuse":
+        path = (await request.json())["model_path"]
+        return JSONResponse({"success": False, "message": f"{path}: no config.json"}, status_code=400)
     return JSONResponse(["ok"])
 
 
@@ -82,8 +85,12 @@ def test_a_200_answer_not_in_sglangs_shape_fails_the_request_naming_the_worker(w
         engine.close()
 
 
+CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=48)
+
+
 def test_a_weight_update_answered_with_a_list_takes_the_worker_out_naming_the_answer(worker_url, tmp_path):
-    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=48)
+    cfg = CFG
+    ANSWER["update"] = None
     _, params, model_state = split_model(Decoder(cfg, rngs=nnx.Rngs(0)))
     engine = FleetEngine(urls=[worker_url], model_cfg=cfg, weight_dir=str(tmp_path), unhealthy_timeout_s=2,
                          weight_push_retries=0, probe_backoff_s=0.2)  # fmt: skip
@@ -92,3 +99,17 @@ def test_a_weight_update_answered_with_a_list_takes_the_worker_out_naming_the_an
             engine.update_weights(params, model_state, weight_version="1")
     finally:
         engine.close()
+
+
+def test_a_folder_a_worker_refuses_says_every_worker_must_read_the_weight_dir(worker_url, tmp_path):
+    ANSWER["update"] = "refuse"
+    _, params, model_state = split_model(Decoder(CFG, rngs=nnx.Rngs(0)))
+    engine = FleetEngine(urls=[worker_url], model_cfg=CFG, weight_dir=str(tmp_path), weight_push_retries=0)
+    try:
+        with pytest.raises(
+            WeightSyncError, match=r"no config.json; every worker must read that folder \(rollout.weight_dir"
+        ):
+            engine.update_weights(params, model_state, weight_version="1")
+    finally:
+        engine.close()
+        ANSWER["update"] = None
