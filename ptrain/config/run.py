@@ -171,6 +171,14 @@ def _grpo_stage_batch(run: RunConfig, where: str) -> None:
         f"rollout.max_running_requests={run.rollout.max_running_requests}; raise that or lower group_size",
         where,
     )
+    _check(
+        run.rollout.kind != "local" or not run.train.eval_generate
+        or run.algo.eval.samples <= run.rollout.max_running_requests,
+        "algo.eval.samples",
+        f"the stage's evaluations sample {run.algo.eval.samples} at once per task, but the local engine decodes at "
+        f"most rollout.max_running_requests={run.rollout.max_running_requests}; raise that or lower samples",
+        where,
+    )  # fmt: skip
     ctx = run.rollout.context_length
     _check(
         ctx is None or g.max_new_tokens < ctx,

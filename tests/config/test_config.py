@@ -84,6 +84,15 @@ def test_stage_overrides_merge_over_top_level_nodes():
             ],
             "algo.grpo.group_size",
         ),  # fmt: skip
+        (
+            [
+                "stages=[{name: g, kind: grpo}]",
+                "env=arithmetic",
+                "algo.grpo.max_new_tokens=32",
+                "algo.eval.samples=128",
+            ],
+            "algo.eval.samples",
+        ),  # fmt: skip
     ],
 )
 def test_impossible_values_name_their_key(overrides, key):
