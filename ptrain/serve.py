@@ -141,6 +141,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ("--max-running-requests", args.max_running_requests, 1),
         ("--max-request-bytes", args.max_request_bytes, 1024),
         ("--graceful-shutdown-timeout", args.graceful_shutdown_timeout, 0),
+        ("--random-seed", args.random_seed, 0),
     ):
         if value is not None and value < low:
             p.error(f"{flag}: must be >= {low}, got {value}")
