@@ -107,3 +107,18 @@ def test_an_unreachable_fleet_stops_the_eval_stage_with_its_answers(tmp_path):
                          "command")  # fmt: skip
     assert "Traceback" not in out.stderr
     assert not (tmp_path / "stages" / "eval" / "DONE.json").exists()
+
+
+def test_a_model_folder_without_its_tokenizer_is_a_config_error(tmp_path):
+    """The stage tokenized with the embedded tokenizer instead, whose ids are not the model's,
+    and reported the zeros as the model's scores."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    args = ["recipe=eval", "env=countdown", "model=hf", f"model.hf_path={model}", f"run_dir={tmp_path}/run"]
+    out = subprocess.run([sys.executable, "-m", "ptrain", *args], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"ptrain: config error: config key 'data.tokenizer_path': the model folder '{model}' has no tokenizer.json; "
+        "pass data.tokenizer_path=DIR, a folder with the model's tokenizer.json"
+    )
