@@ -125,9 +125,12 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if not os.path.isfile(os.path.join(args.model_path, "config.json")):
         p.error(f"--model-path {args.model_path}: no config.json there; pass a Hugging Face model folder")
     try:
-        read_json_file(os.path.join(args.model_path, "config.json"))
+        hf_config = read_json_file(os.path.join(args.model_path, "config.json"))
     except ValueError as e:
         p.error(f"--model-path {args.model_path}: {e}")
+    limit = hf_config.get("max_position_embeddings")
+    if args.context_length is not None and isinstance(limit, int) and args.context_length > limit:
+        p.error(f"--context-length {args.context_length}: above the model's max_position_embeddings={limit}")
     if args.tokenizer_path and not os.path.isdir(args.tokenizer_path):
         p.error(f"--tokenizer-path {args.tokenizer_path}: not a folder")
     if args.chat_template and not os.path.isfile(args.chat_template):

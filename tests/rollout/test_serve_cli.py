@@ -52,6 +52,7 @@ def test_flags_are_sglangs_where_sglang_has_them():
         (["--port", "30000"], "--model-path"),
         (["--model-path", "{model}", "--port", "70000"], "--port: must be <= 65535"),
         (["--model-path", "{model}", "--random-seed", "-1"], "--random-seed: must be >= 0, got -1"),
+        (["--model-path", "{model}", "--context-length", "100000"], "above the model's max_position_embeddings=256"),
         (["--model-path", "{model}", "--port", "{busy}"], "Address already in use); pass another --port"),
         (["--model-path", "{model}", "--host", "no.such.host.invalid"], "--host no.such.host.invalid: not an address"),
         (["--model-path", "{corrupt}"], "config.json is not valid JSON"),
