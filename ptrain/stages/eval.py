@@ -43,6 +43,13 @@ def run_eval_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
             f"config key 'envs.{empty[0]}.n_eval': eval stage '{stage.name}' samples held-out tasks, and "
             f"{empty} have none (n_eval=0); pass envs.{empty[0]}.n_eval=N, or leave them out of the stage's envs list"
         )
+    if run.rollout.kind == "local" and run.algo.eval.samples > run.rollout.max_running_requests:
+        # The engine refuses a request whose n samples do not fit its slots at once.
+        raise ConfigError(
+            f"config key 'algo.eval.samples': eval stage '{stage.name}' samples {run.algo.eval.samples} at once per "
+            f"task, but the local engine decodes at most rollout.max_running_requests="
+            f"{run.rollout.max_running_requests}; raise that or lower samples"
+        )
     if init_path and run.data.tokenizer_path is None and not os.path.isfile(os.path.join(init_path, "tokenizer.json")):
         # tokenizer_for would fall back to the embedded tokenizer, whose ids are not this
         # model's: every prompt and answer would be garbage, and every score 0.

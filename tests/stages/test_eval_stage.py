@@ -122,3 +122,15 @@ def test_a_model_folder_without_its_tokenizer_is_a_config_error(tmp_path):
         f"ptrain: config error: config key 'data.tokenizer_path': the model folder '{model}' has no tokenizer.json; "
         "pass data.tokenizer_path=DIR, a folder with the model's tokenizer.json"
     )
+
+
+def test_more_samples_than_engine_slots_is_a_config_error(tmp_path):
+    """Every sampled request was refused by the engine after the greedy pass had run."""
+    args = ["recipe=eval", "env=countdown", "algo.eval.samples=16", "rollout.max_running_requests=8"]
+    out = subprocess.run([sys.executable, "-m", "ptrain", *args, f"run_dir={tmp_path}"], capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1] == (
+        "ptrain: config error: config key 'algo.eval.samples': eval stage 'eval' samples 16 at once per task, but the "
+        "local engine decodes at most rollout.max_running_requests=8; raise that or lower samples"
+    )
