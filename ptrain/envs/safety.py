@@ -162,6 +162,9 @@ class RewardRunner:
                 return self._fail(
                     fn, "bad_value", f"returned {type(value).__name__} {value!r:.80}, not a number", start
                 )
+            except OverflowError:  # an int past float's range
+                return self._fail(fn, "bad_value", f"returned an int of {value.bit_length()} bits, past float's range",
+                                  start)  # fmt: skip
             if not math.isfinite(reward):
                 return self._fail(fn, "bad_value", f"returned {reward}", start)
             with self._lock:

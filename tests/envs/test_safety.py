@@ -39,6 +39,10 @@ def returns_nan(_: str) -> float:
     return float("nan")
 
 
+def returns_huge_int(_: str) -> int:
+    return 10**400  # float() of it raised OverflowError in the caller, out of the environment
+
+
 def uses_signal_alarm(x: float) -> float:
     """What math-verify does: a SIGALRM timeout, which only works on a main thread."""
 
@@ -70,6 +74,7 @@ def test_failures_score_zero_with_a_reason(runner, caplog):
         (crashes, "crashed", "exit code 3"),
         (returns_text, "bad_value", "not a number"),
         (returns_nan, "bad_value", "nan"),
+        (returns_huge_int, "bad_value", "an int of 1329 bits, past float's range"),
     ]
     with caplog.at_level(logging.WARNING, logger="ptrain.envs.safety"):
         for fn, kind, reason in cases:
