@@ -46,6 +46,11 @@ class StageStopped(RuntimeError):
 
     @classmethod
     def at(cls, stage_name: str, step: int, error: BaseException) -> StageStopped:
+        if step == 0:  # a fresh stage that stopped before its first step has nothing saved
+            return cls(
+                f"{error} -- stage '{stage_name}' stopped before its first step (no checkpoint was needed); "
+                "once the engine can sample again, re-launch the same command to start it"
+            )
         return cls(
             f"{error} -- stage '{stage_name}' has its checkpoint at step {step} and stopped; once the engine "
             "can sample again, re-launch the same command to resume"

@@ -174,3 +174,11 @@ def test_weights_that_cannot_reach_the_engine_checkpoint_the_trained_step_and_st
     with pytest.raises(StageStopped, match=r"No space left on device\).*checkpoint at step 3"):
         train_evaluate_export(stage, sft_algorithm(run, stage.placed.model_def), PushFailsAt(it, 3), report=it.report)
     assert os.path.isdir(os.path.join(stage_dir, "checkpoints", "3"))
+
+
+def test_a_stage_stopped_before_its_first_step_does_not_claim_a_checkpoint():
+    from ptrain.rollout.protocol import EngineUnavailable
+
+    fresh = str(StageStopped.at("grpo", 0, EngineUnavailable("no healthy worker")))
+    assert "before its first step" in fresh and "checkpoint at step" not in fresh
+    assert "checkpoint at step 5" in str(StageStopped.at("grpo", 5, EngineUnavailable("no healthy worker")))
