@@ -46,8 +46,9 @@ class GRPOAlgoConfig:
     importance ratio right, but recipes leave it at 1."""
     top_k: int = 0
     """Top-k sampling (0: off)."""
-    max_new_tokens: int = 128
-    """Longest response per turn, in tokens (> 0)."""
+    max_new_tokens: int = 96
+    """Longest response per turn, in tokens (> 0, and below train.seq_len, which holds prompt
+    and response: the default leaves 32 prompt tokens within the default seq_len of 128)."""
 
     # --- updates ---
     epochs: int = 1

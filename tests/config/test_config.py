@@ -34,6 +34,13 @@ def test_stage_overrides_merge_over_top_level_nodes():
     assert cfg.optim.lr == 5e-5 and cfg.train.steps == 3 and cfg.optim.schedule == run.optim.schedule
 
 
+def test_a_grpo_stage_on_the_defaults_validates():
+    """No GRPO option set: the default response length leaves room for a prompt in the
+    default train.seq_len."""
+    run = to_run_config(composed("stages=[{name: g, kind: grpo}]", "env=arithmetic"))
+    assert run.algo.grpo.max_new_tokens < run.train.seq_len
+
+
 @pytest.mark.parametrize(
     "overrides, key",
     [
