@@ -67,6 +67,7 @@ def _run(cfg: DictConfig) -> dict:
     # flag slows (ptrain/runtime.py, docs/performance.md).
     tune_xla_cpu(compute_dtype=run.model.dtype, moe=run.model.is_moe)
     from ptrain.checkpoint import CheckpointError  # jax imports only after the config is known good
+    from ptrain.envs.sandbox import SandboxUnavailableError
     from ptrain.pipeline import run_pipeline
     from ptrain.stages.common import StageStopped, TrainingDiverged
 
@@ -77,6 +78,8 @@ def _run(cfg: DictConfig) -> dict:
     except StageStopped as e:  # checkpointed and stopped: the rollout engine could not sample
         return _fail("stopped", e, 1)
     except (CheckpointError, TrainingDiverged, ValueError) as e:  # bad data, model folders, checkpoints
+        return _fail("error", e, 1)
+    except SandboxUnavailableError as e:  # an environment runs code and nothing here isolates it
         return _fail("error", e, 1)
 
 

@@ -17,6 +17,7 @@ from ptrain.config.data import DataConfig, validate_data_config
 from ptrain.config.env import EnvConfig, EnvConfigError, validate_env_configs
 from ptrain.config.grpo import CostConfig, RolloutConfig, validate_eval, validate_grpo
 from ptrain.config.model import ModelConfig
+from ptrain.config.sandbox import SandboxConfig
 from ptrain.config.seeds import DEFAULT_SEED, resolve_seeds
 from ptrain.config.train import (
     AlgoConfig,
@@ -61,6 +62,10 @@ class RunConfig:
     """The rollout engine of stages that sample (grpo, eval): local or an SGLang fleet."""
     cost: CostConfig = field(default_factory=CostConfig)
     """Prices behind the cost accounting of sampling stages."""
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """Isolation and limits of model-written code that environments run (code tests, the
+    tool_use python and bash tools, terminal tasks): `sandbox.backend=bwrap`,
+    `sandbox.memory_mb=2048`, `sandbox.bwrap_path=/usr/bin/bwrap` (ptrain.config.sandbox)."""
     stages: list[StageConfig] = field(default_factory=lambda: [StageConfig()])
     """Ordered stages of the recipe; each starts from the previous one's export."""
     recipe: Any | None = None
@@ -101,6 +106,10 @@ def to_run_config(cfg: DictConfig | dict) -> RunConfig:
     except OmegaConfBaseException as e:
         raise ConfigError(_explain_omegaconf_error(e)) from None
     _check(run.seed >= 0, "seed", f"must be >= 0, got {run.seed}")
+    try:
+        run.sandbox.validate()
+    except ValueError as e:  # its messages open with sandbox.<field>=<value> and say the fix
+        raise ConfigError(f"config key '{str(e).split('=')[0].split(' ')[0]}': {e}") from None
     resolve_seeds(run)
     validate(run)
     return run

@@ -60,7 +60,7 @@ def run_eval_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
     tokenizer = tokenizer_for(run, init_path)
     mesh = stage_mesh(run)
     model = load_model(run, init_path or ensure_base_model(run, tokenizer), mesh, tokenizer)
-    envs = {e.env_name: make_env(e, tokenizer=tokenizer) for e in configs}
+    envs = {e.env_name: make_env(e, tokenizer=tokenizer, sandbox=run.sandbox) for e in configs}
     cfg = run.algo.eval
     # The whole context the model was built for (an evaluation has no train.seq_len to fit).
     run = dataclasses.replace(

@@ -134,3 +134,20 @@ def test_more_samples_than_engine_slots_is_a_config_error(tmp_path):
         "ptrain: config error: config key 'algo.eval.samples': eval stage 'eval' samples 16 at once per task, but the "
         "local engine decodes at most rollout.max_running_requests=8; raise that or lower samples"
     )
+
+
+def test_the_runs_sandbox_settings_reach_its_environments(tmp_path):
+    """`sandbox.*` is the run's sandbox, as the sandbox's own errors advise: a bwrap that does
+    not exist is named (the stage used to build a default sandbox whatever was set), and an
+    impossible value is a config error before anything loads."""
+    args = ["recipe=eval", "env=code", "envs.code.n_eval=2", "sandbox.backend=bwrap",
+            f"sandbox.bwrap_path={tmp_path}/no-bwrap", f"run_dir={tmp_path}/run", *TINY_MODEL]  # fmt: skip
+    out = subprocess.run([sys.executable, "-m", "ptrain", *args], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert f"ptrain: error: sandbox.backend=bwrap: sandbox.bwrap_path='{tmp_path}/no-bwrap' is not" in out.stderr
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+
+    bad = subprocess.run([sys.executable, "-m", "ptrain", "recipe=eval", "sandbox.backend=docker",
+                          f"run_dir={tmp_path}/bad"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert bad.returncode == 2, bad.stderr[-2000:]
+    assert bad.stderr.strip().splitlines()[-1].startswith("ptrain: config error: config key 'sandbox.backend': ")
