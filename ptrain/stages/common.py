@@ -69,10 +69,19 @@ def rules_of(run: RunConfig):
 
 
 def tokenizer_for(run: RunConfig, init_path: str | None):
-    """The stage's tokenizer: data.tokenizer_path, else the starting model's, else the embedded one."""
+    """The stage's tokenizer: data.tokenizer_path, else the starting model's (init_path, a
+    model folder), else, for the embedded model (no init_path), the embedded one."""
+    from ptrain.config import ConfigError
     from ptrain.data.tokenizer import get_tokenizer, load_tokenizer
 
-    if run.data.tokenizer_path is None and init_path and os.path.isfile(os.path.join(init_path, "tokenizer.json")):
+    if run.data.tokenizer_path is None and init_path:
+        if not os.path.isfile(os.path.join(init_path, "tokenizer.json")):
+            # The embedded tokenizer's ids are not this model's: every prompt and answer would
+            # be garbage, and every score 0.
+            raise ConfigError(
+                f"config key 'data.tokenizer_path': the model folder '{init_path}' has no tokenizer.json; pass "
+                "data.tokenizer_path=DIR, a folder with the model's tokenizer.json"
+            )
         return load_tokenizer(init_path)
     return get_tokenizer(
         run.data.tokenizer_path, os.path.join(run.run_dir, "tokenizer"), vocab_size=run.data.tokenizer_vocab_size

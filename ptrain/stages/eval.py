@@ -50,13 +50,6 @@ def run_eval_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
             f"task, but the local engine decodes at most rollout.max_running_requests="
             f"{run.rollout.max_running_requests}; raise that or lower samples"
         )
-    if init_path and run.data.tokenizer_path is None and not os.path.isfile(os.path.join(init_path, "tokenizer.json")):
-        # tokenizer_for would fall back to the embedded tokenizer, whose ids are not this
-        # model's: every prompt and answer would be garbage, and every score 0.
-        raise ConfigError(
-            f"config key 'data.tokenizer_path': the model folder '{init_path}' has no tokenizer.json; pass "
-            "data.tokenizer_path=DIR, a folder with the model's tokenizer.json"
-        )
     tokenizer = tokenizer_for(run, init_path)
     mesh = stage_mesh(run)
     model = load_model(run, init_path or ensure_base_model(run, tokenizer), mesh, tokenizer)

@@ -9,6 +9,7 @@ from flax import nnx
 
 from ptrain.config import (
     CheckpointConfig,
+    ConfigError,
     DataConfig,
     GeneratedTaskConfig,
     LoggingConfig,
@@ -182,3 +183,11 @@ def test_a_stage_stopped_before_its_first_step_does_not_claim_a_checkpoint():
     fresh = str(StageStopped.at("grpo", 0, EngineUnavailable("no healthy worker")))
     assert "before its first step" in fresh and "checkpoint at step" not in fresh
     assert "checkpoint at step 5" in str(StageStopped.at("grpo", 5, EngineUnavailable("no healthy worker")))
+
+
+def test_a_model_folder_without_a_tokenizer_is_refused_for_every_stage(tmp_path):
+    """The embedded tokenizer's ids are not the folder's model's; it used to stand in silently."""
+    (tmp_path / "model").mkdir()
+    run = RunConfig(run_dir=str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match=r"'data.tokenizer_path': the model folder .*model' has no tokenizer.json"):
+        tokenizer_for(run, str(tmp_path / "model"))
