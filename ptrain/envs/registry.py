@@ -60,3 +60,15 @@ def make_env(cfg: EnvConfig, *, tokenizer: Any, sandbox: Any = None) -> Environm
 
     options = validate_env_config(cfg)
     return env_class(cfg.kind)(cfg, options, tokenizer=tokenizer, sandbox=sandbox)
+
+
+def close_envs(envs: dict[str, Any]) -> None:
+    """Stop the reward workers and threads of a stage's environments, so that they do not
+    outlive the stage into the next one of a recipe. A kind whose close is a coroutine (the
+    NeMo Gym client) closes per episode, and is left alone here."""
+    import inspect
+
+    for env in envs.values():
+        close = getattr(env, "close", None)
+        if callable(close) and not inspect.iscoroutinefunction(close):
+            close()

@@ -25,7 +25,7 @@ def run_eval_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
     from ptrain.checkpoint import mark_done
     from ptrain.config.seeds import component_seed
     from ptrain.envs.audit import AuditLog
-    from ptrain.envs.registry import make_env
+    from ptrain.envs.registry import close_envs, make_env
     from ptrain.metrics import MetricsLogger
     from ptrain.rollout.engines import make_engine
     from ptrain.rollout.protocol import EngineUnavailable
@@ -79,6 +79,7 @@ def run_eval_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
         ) from None
     finally:
         engine.close()
+        close_envs(envs)
         audit.close()
         logger.close()
     summary = {f"eval/{k}": v for k, v in metrics.items()}

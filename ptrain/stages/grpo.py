@@ -318,7 +318,7 @@ def run_grpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
     from ptrain.envs.audit import AuditLog
     from ptrain.envs.curriculum import Curriculum
     from ptrain.envs.mixture import EnvMixture
-    from ptrain.envs.registry import make_env
+    from ptrain.envs.registry import close_envs, make_env
     from ptrain.rollout.engines import make_engine
     from ptrain.stages.env_eval import env_evaluator
 
@@ -363,4 +363,5 @@ def run_grpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
     finally:
         collector.close()
         engine.close()
+        close_envs(envs)
         audit.close()

@@ -80,3 +80,26 @@ def test_an_extractor_that_raises_scores_the_sample_zero_with_its_reason(tok):
     (t,) = asyncio.run(env.rollout(task, ReplayEngine(["Answer: 3"], tokenizer=tok), SamplingParams()))
     assert t.reward == 0.0 and t.reward_error == "extracting the answer raised RuntimeError: extractor bug"
     assert env.stats["reward_errors"] == 1
+
+
+def test_close_envs_stops_the_reward_workers_a_stage_started(tok):
+    """A stage's environments are closed when it ends, so that their worker processes do not
+    run on through the recipe's later stages."""
+    import multiprocessing
+
+    from ptrain.envs.registry import close_envs
+
+    def workers():
+        return [p for p in multiprocessing.active_children() if p.name == "ptrain-reward-worker"]
+
+    env = make_env(EnvConfig(kind="arithmetic", n_train=3, n_eval=0), tokenizer=tok)
+    before = len(workers())
+    assert env.runner.run(abs, -3, timeout_s=30).reward == 3
+    assert len(workers()) == before + 1
+
+    class AsyncClosed:  # a kind whose client closes per episode (NeMo Gym) is left alone
+        async def close(self):
+            raise AssertionError("not awaited here")
+
+    close_envs({"arithmetic": env, "gym": AsyncClosed()})
+    assert len(workers()) == before
