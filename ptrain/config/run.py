@@ -274,6 +274,13 @@ def validate(run: RunConfig) -> None:
         _check(
             not unknown, f"stages[{i}].envs", f"{unknown} are not environments of the run; it has {sorted(run.envs)}"
         )
+        repeated = sorted({n for n in s.envs if list(s.envs).count(n) > 1})
+        _check(
+            not repeated,
+            f"stages[{i}].envs",
+            f"names {repeated} more than once; list each environment once, and give it a larger share of the "
+            f"mix with envs.<name>.weight",
+        )
         if STAGES[s.kind].samples:
             _check(
                 bool(s.envs or run.envs),

@@ -71,6 +71,7 @@ def test_a_grpo_stage_on_the_defaults_validates():
         (["model.hf_path=/no/such/model"], "model.hf_path"),
         (["checkpoint.keep=0"], "checkpoint.keep"),
         (["algo.grpo.temperature=inf"], "algo.grpo.temperature"),
+        (["env=arithmetic", "stages=[{name: g, kind: grpo, envs: [arithmetic, arithmetic]}]"], "stages[0].envs"),
         (["algo.grpo.kl_coef=inf"], "algo.grpo.kl_coef"),
         (["algo.grpo.invalid_tool_call_advantage=nan"], "algo.grpo.invalid_tool_call_advantage"),
         (
