@@ -35,6 +35,12 @@ def sglang_flags() -> set[str]:
     return flags
 
 
+def serve(*argv: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`python -m ptrain.serve ARGV` as a user runs it, to its exit (these all exit at start)."""
+    return subprocess.run([sys.executable, "-m", "ptrain.serve", *argv], capture_output=True, text=True, cwd=ROOT,
+                          timeout=timeout)  # fmt: skip
+
+
 def test_flags_are_sglangs_where_sglang_has_them():
     ours = {s for a in build_parser()._actions for s in a.option_strings if s.startswith("--") and s != "--help"}
     required = {"--model-path", "--host", "--port", "--context-length", "--max-running-requests"}
@@ -71,9 +77,7 @@ def test_command_line_mistakes_exit_2_with_one_message(argv, message, served_mod
     subs = {"{model}": served_model_dir, "{corrupt}": str(corrupt), "{busy}": str(busy.getsockname()[1]),
             "{template}": str(template)}  # fmt: skip
     argv = [subs.get(a, a) for a in argv]
-    out = subprocess.run(
-        [sys.executable, "-m", "ptrain.serve", *argv], capture_output=True, text=True, cwd=ROOT, timeout=120
-    )
+    out = serve(*argv, timeout=120)
     busy.close()
     assert out.returncode == 2, out.stderr
     assert message in out.stderr and "Traceback" not in out.stderr, out.stderr
@@ -85,13 +89,7 @@ def test_a_folder_without_tokenizer_says_what_to_pass(tmp_path, served_model_dir
     for name in os.listdir(served_model_dir):
         if not name.startswith(("tokenizer", "special_tokens", "chat_template")):
             os.symlink(os.path.join(served_model_dir, name), folder / name)
-    out = subprocess.run(
-        [sys.executable, "-m", "ptrain.serve", "--model-path", str(folder)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-    )
+    out = serve("--model-path", str(folder))
     assert out.returncode == 1 and "--skip-tokenizer-init" in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
@@ -102,34 +100,14 @@ def test_a_corrupt_tokenizer_names_its_folder(tmp_path, served_model_dir):
         if name != "tokenizer.json":
             os.symlink(os.path.join(served_model_dir, name), folder / name)
     (folder / "tokenizer.json").write_text('{"version": "1.0",')
-    out = subprocess.run(
-        [sys.executable, "-m", "ptrain.serve", "--model-path", str(folder)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-    )
+    out = serve("--model-path", str(folder))
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     assert f"the tokenizer in '{folder}' does not load" in out.stderr, out.stderr
 
 
 def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_at_start(tmp_path, served_model_dir):
     big = get_tokenizer(None, str(tmp_path / "big"), vocab_size=600)
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ptrain.serve",
-            "--model-path",
-            served_model_dir,
-            "--tokenizer-path",
-            str(tmp_path / "big"),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-    )
+    out = serve("--model-path", served_model_dir, "--tokenizer-path", str(tmp_path / "big"))
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     assert f"has {len(big)} tokens, but the model in '{served_model_dir}' has a vocabulary of" in out.stderr, out.stderr
 

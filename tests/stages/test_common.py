@@ -63,21 +63,25 @@ class RecordingBatches(IteratorBatches):
         super().set_state(state)
 
 
-def test_the_loop_seam_calls_after_step_each_step_and_resumes_the_batches(tmp_path):
-    """The seam an RL stage plugs into: begin(start step, state) once before the loop,
-    after_step(step, new state, metrics) once per step, and on resume the batches get the
-    state saved with the checkpoint (and begin the restored state)."""
+def tiny_sft_run(tmp_path, *, steps: int, checkpoint_every: int):
+    """A one-layer SFT run on generated arithmetic: (run, tokenizer, data config, stage dir)."""
     run = RunConfig(
         run_dir=str(tmp_path),
         model=ModelConfig(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=48, max_seq_len=64),
         data=DataConfig(generated=GeneratedTaskConfig(n_train=40, n_eval=8), tokenizer_vocab_size=300),
-        train=TrainConfig(steps=2, global_batch_size=2, seq_len=32, eval_every=0, eval_batches=0, eval_generate=0),
+        train=TrainConfig(steps=steps, global_batch_size=2, seq_len=32, eval_every=0, eval_batches=0, eval_generate=0),
         logging=LoggingConfig(console=False, tensorboard=False, jsonl=True),
-        checkpoint=CheckpointConfig(every_steps=2, async_save=False),
+        checkpoint=CheckpointConfig(every_steps=checkpoint_every, async_save=False),
     )
     tokenizer = tokenizer_for(run, None)
-    data_cfg = write_generated(run.data, str(tmp_path / "data"))
-    stage_dir = str(tmp_path / "stages" / "sft")
+    return run, tokenizer, write_generated(run.data, str(tmp_path / "data")), str(tmp_path / "stages" / "sft")
+
+
+def test_the_loop_seam_calls_after_step_each_step_and_resumes_the_batches(tmp_path):
+    """The seam an RL stage plugs into: begin(start step, state) once before the loop,
+    after_step(step, new state, metrics) once per step, and on resume the batches get the
+    state saved with the checkpoint (and begin the restored state)."""
+    run, tokenizer, data_cfg, stage_dir = tiny_sft_run(tmp_path, steps=2, checkpoint_every=2)
 
     def launch(steps):
         r = dataclasses.replace(run, train=dataclasses.replace(run.train, steps=steps))
@@ -115,17 +119,7 @@ class UnavailableAt(IteratorBatches):
 def test_an_engine_that_cannot_sample_checkpoints_and_stops_the_stage(tmp_path):
     """The step before the failed one is saved (no periodic checkpoint was due), the stage stops
     with StageStopped naming the cause, and a re-launch resumes from that step."""
-    run = RunConfig(
-        run_dir=str(tmp_path),
-        model=ModelConfig(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=48, max_seq_len=64),
-        data=DataConfig(generated=GeneratedTaskConfig(n_train=40, n_eval=8), tokenizer_vocab_size=300),
-        train=TrainConfig(steps=4, global_batch_size=2, seq_len=32, eval_every=0, eval_batches=0, eval_generate=0),
-        logging=LoggingConfig(console=False, tensorboard=False, jsonl=True),
-        checkpoint=CheckpointConfig(every_steps=100, async_save=False),
-    )
-    tokenizer = tokenizer_for(run, None)
-    data_cfg = write_generated(run.data, str(tmp_path / "data"))
-    stage_dir = str(tmp_path / "stages" / "sft")
+    run, tokenizer, data_cfg, stage_dir = tiny_sft_run(tmp_path, steps=4, checkpoint_every=100)
 
     def launch(batches_of):
         it = make_sft_iterator(data_cfg, tokenizer, batch_size=2, seq_len=32)
@@ -159,17 +153,7 @@ class PushFailsAt(IteratorBatches):
 def test_weights_that_cannot_reach_the_engine_checkpoint_the_trained_step_and_stop(tmp_path):
     """A failed weight export or push after step 3 keeps step 3 (no periodic checkpoint was
     due) and stops the stage naming the cause, instead of a traceback that loses the steps."""
-    run = RunConfig(
-        run_dir=str(tmp_path),
-        model=ModelConfig(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=48, max_seq_len=64),
-        data=DataConfig(generated=GeneratedTaskConfig(n_train=40, n_eval=8), tokenizer_vocab_size=300),
-        train=TrainConfig(steps=4, global_batch_size=2, seq_len=32, eval_every=0, eval_batches=0, eval_generate=0),
-        logging=LoggingConfig(console=False, tensorboard=False, jsonl=True),
-        checkpoint=CheckpointConfig(every_steps=100, async_save=False),
-    )
-    tokenizer = tokenizer_for(run, None)
-    data_cfg = write_generated(run.data, str(tmp_path / "data"))
-    stage_dir = str(tmp_path / "stages" / "sft")
+    run, tokenizer, data_cfg, stage_dir = tiny_sft_run(tmp_path, steps=4, checkpoint_every=100)
     it = make_sft_iterator(data_cfg, tokenizer, batch_size=2, seq_len=32)
     stage = setup_stage(run, stage_dir, None, tokenizer, kind="sft", t_start=time.time())
     with pytest.raises(StageStopped, match=r"No space left on device\).*checkpoint at step 3"):
