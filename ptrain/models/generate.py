@@ -98,26 +98,66 @@ def base_keys(seed_key: jax.Array, n: int, first: int = 0) -> jax.Array:
     )
 
 
+SAMPLE_BLOCK = 256
+"""Vocabulary block of `draw_tokens`' two-level running sum."""
+
+
+def draw_tokens(z_BxV: jax.Array, u_B: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One token per row from softmax(z_BxV), never a -inf entry, given a uniform u_B in
+    [0, 1) per row: (int32 [B], the rows' logsumexp [B]). A row needs one finite entry.
+
+    Inverse transform sampling: the token is the first whose running probability mass
+    passes u times the row's total. The running sum is two-level
+    (sums of SAMPLE_BLOCK-token blocks, then the chosen block's own sum), so its float32
+    rounding stays at the scale of one block. The Gumbel-max trick (`jax.random.categorical`)
+    draws a uniform and takes two logarithms per vocabulary entry instead: on CPU at 16 rows
+    it cost 0.66 ms at V=4096 and 36.7 ms at V=151936, against 0.15 and 0.68 ms here
+    (docs/performance.md).
+    """
+    B, V = z_BxV.shape
+    n_blocks = -(-V // SAMPLE_BLOCK)
+    m = jnp.max(z_BxV, axis=-1)
+    p = jnp.exp(z_BxV - m[:, None])  # the largest entry is 1, -inf entries are 0
+    blocks = jnp.pad(p, ((0, 0), (0, n_blocks * SAMPLE_BLOCK - V))).reshape(B, n_blocks, SAMPLE_BLOCK)
+    block_mass = blocks.sum(-1)
+    mass = jnp.cumsum(block_mass, axis=-1)  # [B, n_blocks]
+    target = u_B * mass[:, -1]
+
+    def last_nonzero(x):  # index of the last entry > 0 along the last axis
+        return x.shape[-1] - 1 - jnp.argmax(x[..., ::-1] > 0, axis=-1)
+
+    # `<=` steps over zero-mass blocks and tokens, so u = 0 lands on the first drawable token;
+    # u * total can round up to the total, and then the last drawable block / token is taken.
+    blk = jnp.minimum(jnp.sum(mass <= target[:, None], axis=-1), last_nonzero(block_mass))
+    before = jnp.where(blk > 0, jnp.take_along_axis(mass, jnp.maximum(blk - 1, 0)[:, None], axis=-1)[:, 0], 0.0)
+    inner = jnp.take_along_axis(blocks, blk[:, None, None], axis=1)[:, 0]  # [B, SAMPLE_BLOCK]
+    within = before[:, None] + jnp.cumsum(inner, axis=-1)
+    j = jnp.minimum(jnp.sum(within <= target[:, None], axis=-1), last_nonzero(inner))
+    return (blk * SAMPLE_BLOCK + j).astype(jnp.int32), m + jnp.log(mass[:, -1])
+
+
 def sample_rows(logits_BxV, keys_B, temperature_B, top_k_B, top_p_B, min_p_B):
     """One sampling step per row: (token ids [B] int32, log-prob under the tempered full
     softmax [B], log-prob under the filtered distribution sampled from [B]), float32.
 
     temperature_B <= 0 decodes that row greedily (argmax; both log-probs are the untempered
-    softmax's). The vocabulary sort runs only when some row filters (lax.cond).
+    softmax's). The vocabulary sort runs only when some row filters, and the argmax only when
+    some row is greedy (lax.cond): each is another pass over [B, V].
     """
     x = logits_BxV.astype(jnp.float32)
     greedy = temperature_B <= 0.0
     z = x / jnp.where(greedy, 1.0, temperature_B)[:, None]
-    logp_full = jax.nn.log_softmax(z, axis=-1)
     V = x.shape[-1]
-    filtering = ((top_k_B > 0) & (top_k_B < V)) | (top_p_B < 1.0) | (min_p_B > 0.0)
-    filtered = jax.lax.cond(
-        jnp.any(filtering & ~greedy), lambda a: filter_logits(a, top_k_B, top_p_B, min_p_B), lambda a: a, z
+    filtering = jnp.any((((top_k_B > 0) & (top_k_B < V)) | (top_p_B < 1.0) | (min_p_B > 0.0)) & ~greedy)
+    filtered = jax.lax.cond(filtering, lambda a: filter_logits(a, top_k_B, top_p_B, min_p_B), lambda a: a, z)
+    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys_B)
+    drawn, lse_filtered = draw_tokens(filtered, u)
+    tok = jax.lax.cond(
+        jnp.any(greedy), lambda: jnp.where(greedy, jnp.argmax(x, axis=-1).astype(jnp.int32), drawn), lambda: drawn
     )
-    drawn = jax.vmap(lambda k, f: jax.random.categorical(k, f))(keys_B, filtered).astype(jnp.int32)
-    tok = jnp.where(greedy, jnp.argmax(x, axis=-1).astype(jnp.int32), drawn)
-    lp_full = jnp.take_along_axis(logp_full, tok[:, None], axis=-1)[:, 0]
-    lp_filtered = jnp.take_along_axis(jax.nn.log_softmax(filtered, axis=-1), tok[:, None], axis=-1)[:, 0]
+    lse_full = jax.lax.cond(filtering, lambda a: jax.nn.logsumexp(a, axis=-1), lambda a: lse_filtered, z)
+    lp_full = jnp.take_along_axis(z, tok[:, None], axis=-1)[:, 0] - lse_full
+    lp_filtered = jnp.take_along_axis(filtered, tok[:, None], axis=-1)[:, 0] - lse_filtered
     return tok, lp_full, jnp.where(greedy, lp_full, lp_filtered)
 
 

@@ -8,7 +8,7 @@ from flax import nnx
 
 from ptrain.config.model import ModelConfig
 from ptrain.models import Decoder, generate, init_cache
-from ptrain.models.generate import decode_mask, filter_logits, left_pad
+from ptrain.models.generate import decode_mask, draw_tokens, filter_logits, left_pad, sample_rows
 
 CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48, max_seq_len=64)
 PROMPTS = [[5, 9, 11], [7, 3, 2, 8, 1, 4, 6]]
@@ -120,6 +120,38 @@ def test_filter_logits_top_k_top_p_and_min_p():
     assert keep(3, 0.1) == [True, False, False, False]  # the top token always survives
     assert keep(0, 1.0, 0.3) == [True, True, True, False]  # p >= 0.3 * 0.5
     assert keep(0, 1.0, 1.0) == [True, False, False, False]
+
+
+def test_draw_tokens_follows_the_softmax_and_never_draws_an_excluded_token():
+    # 700 entries: three blocks of SAMPLE_BLOCK, a zero-mass block between drawable ones,
+    # and -inf entries inside a drawable block.
+    p = np.zeros(700)
+    p[[3, 5, 300, 650, 699]] = [0.1, 0.2, 0.3, 0.15, 0.25]
+    z = jnp.log(jnp.asarray(p, jnp.float32)) + 4.0  # a shift: only the softmax matters
+    n = 40_000
+    u = jax.random.uniform(jax.random.key(0), (n,))
+    tok, lse = jax.jit(draw_tokens)(jnp.broadcast_to(z, (n, 700)), u)
+    freq = np.bincount(np.asarray(tok), minlength=700) / n
+    assert set(np.flatnonzero(freq)) <= {3, 5, 300, 650, 699}
+    np.testing.assert_allclose(freq[[3, 5, 300, 650, 699]], p[[3, 5, 300, 650, 699]], atol=0.01)  # ~5 sigma
+    np.testing.assert_allclose(np.asarray(lse), 4.0, atol=1e-5)
+    # The ends of [0, 1): the first and the last drawable token, never an excluded one.
+    edge, _ = draw_tokens(jnp.stack([z, z, z]), jnp.asarray([0.0, np.nextafter(np.float32(1), 0), 0.5]))
+    assert edge.tolist() == [3, 699, 300]
+
+
+def test_sampling_draws_each_row_from_its_tempered_distribution():
+    logits = jnp.log(jnp.asarray([[0.7, 0.2, 0.1, 0.0]], jnp.float32))
+    n = 20_000
+    keys = jax.random.split(jax.random.key(1), n)
+    row = lambda x, dtype=jnp.float32: jnp.full((n,), x, dtype)
+    tok, lp, slp = jax.jit(sample_rows)(
+        jnp.broadcast_to(logits, (n, 4)), keys, row(2.0), row(0, jnp.int32), row(1.0), row(0.0)
+    )
+    want = np.asarray(jax.nn.softmax(logits[0, :3] / 2.0))
+    np.testing.assert_allclose(np.bincount(np.asarray(tok), minlength=4)[:3] / n, want, atol=0.015)
+    np.testing.assert_allclose(np.asarray(lp), np.log(want)[np.asarray(tok)], atol=1e-5)
+    assert (np.asarray(tok) < 3).all() and np.allclose(lp, slp)
 
 
 def test_bad_requests_are_rejected(model):
