@@ -47,6 +47,7 @@ def test_wheel_install_imports_kernels_and_composes_recipes(tmp_path):
     wheel = next((tmp_path / "w").glob("ptrain-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "ptrain/kernels/moe/ops.py" in names
+    assert "ptrain/kernels/cpu/decode.cc" in names  # built at first use from the installed source
     assert "ptrain/conf/config.yaml" in names and "ptrain/conf/recipe/sft_arithmetic.yaml" in names
     assert not any(n.startswith("kernels/") for n in names)  # no top-level `kernels` package
     site = tmp_path / "site"
@@ -54,6 +55,7 @@ def test_wheel_install_imports_kernels_and_composes_recipes(tmp_path):
     probe = (
         "import ptrain.kernels.moe, ptrain, os;"
         "assert ptrain.__file__.startswith(os.environ['SITE']), ptrain.__file__;"
+        "from ptrain.kernels import cpu; assert cpu.SOURCE.is_file(), cpu.SOURCE;"
         "from hydra import compose, initialize_config_module;"
         "from ptrain.config import register_configs, to_run_config; register_configs();"
         "ctx = initialize_config_module(config_module='ptrain.conf', version_base='1.3'); ctx.__enter__();"

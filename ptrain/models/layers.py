@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ptrain.kernels import cpu as cpu_kernels
+
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 # Scores of masked keys. Finite (not -inf) so that a query row with every key masked
@@ -343,7 +345,7 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is None:
             out = causal_attend(q, k, v, mask_BxTxS, self.sliding_window)
-            return jnp.einsum("blnh,nhd->bld", out, self.o[...].astype(self.dtype)), None
+            return self._out(out), None
         ck, cv = kv_cache
         B, T, K = k.shape[:3]
         k_new, v_new = k.transpose(0, 2, 1, 3).astype(ck.dtype), v.transpose(0, 2, 1, 3).astype(cv.dtype)
@@ -359,10 +361,20 @@ class Attention(nnx.Module):
             slots = (cache_index[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :])[:, None, :]
             ck = ck.at[rows, heads, slots].set(k_new, mode="drop")
             cv = cv.at[rows, heads, slots].set(v_new, mode="drop")
-        S = mask_BxTxS.shape[-1]
-        keys, values = ck[:B, :, :S].astype(self.dtype), cv[:B, :, :S].astype(self.dtype)
-        out = attend_cached(q, keys, values, mask_BxTxS)
-        return jnp.einsum("blnh,nhd->bld", out, self.o[...].astype(self.dtype)), (ck, cv)
+        if cpu_kernels.use_decode_attention(q, ck, mask_BxTxS):
+            out = cpu_kernels.decode_attention(q[:, 0], ck, cv, mask_BxTxS[:, 0])[:, None]
+        else:
+            S = mask_BxTxS.shape[-1]
+            keys, values = ck[:B, :, :S].astype(self.dtype), cv[:B, :, :S].astype(self.dtype)
+            out = attend_cached(q, keys, values, mask_BxTxS)
+        return self._out(out), (ck, cv)
+
+    def _out(self, out_BxTxHxDh: jax.Array) -> jax.Array:
+        # One contraction over H * Dh: written as an einsum over (heads, head_dim), XLA:CPU
+        # transposed both the activations and the whole weight to contract them, every call.
+        B, T, H, Dh = out_BxTxHxDh.shape
+        w = self.o[...].astype(self.dtype).reshape(H * Dh, -1)
+        return (out_BxTxHxDh.reshape(B, T, H * Dh) @ w).astype(out_BxTxHxDh.dtype)
 
 
 class MLP(nnx.Module):
