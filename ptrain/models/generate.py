@@ -70,18 +70,57 @@ def filter_logits(z_BxV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array, min_
     reaches top_p; Holtzman et al. 2020), min_p in [0, 1] (tokens with p >= min_p * p_max).
     The most likely token always survives.
     """
+    return jnp.where(z_BxV >= filter_cutoff(z_BxV, top_k_B, top_p_B, min_p_B), z_BxV, -jnp.inf)
+
+
+def _order_key(z: jax.Array) -> jax.Array:
+    """uint32 keys that order like the float32 values (-inf lowest, NaN-free input)."""
+    bits = jax.lax.bitcast_convert_type(z, jnp.uint32)
+    negative = (bits >> 31).astype(bool)
+    return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _largest_key_where(key_BxV: jax.Array, ok) -> jax.Array:
+    """[B, 1] uint32: per row the largest threshold c with ok(key_BxV >= c) ([B, V] bool ->
+    [B] bool, true for the row's smallest key and monotone in c), by bisection over the 32
+    bits: 32 passes over [B, V] instead of a sort of the vocabulary."""
+    lo = jnp.min(key_BxV, axis=-1, keepdims=True)  # ok holds here: every entry is kept
+    hi = jnp.max(key_BxV, axis=-1, keepdims=True)
+
+    def step(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo + 1) // 2  # > lo while lo < hi; no overflow in uint32
+        good = ok(key_BxV >= mid)[:, None]
+        return jnp.where(good, mid, lo), jnp.where(good, hi, mid - 1)
+
+    lo, _ = jax.lax.fori_loop(0, 32, step, (lo, hi))
+    return lo
+
+
+def filter_cutoff(z_BxV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array, min_p_B: jax.Array) -> jax.Array:
+    """[B, 1]: the smallest tempered logit `filter_logits` keeps in each row.
+
+    top-k: the largest threshold that keeps at least k tokens (the k-th largest value);
+    top-p: the largest that keeps at least top_p of the mass (the value at which the running
+    mass of the tokens in descending order first reaches top_p). Both are found by bisection
+    on the values' bit patterns, not by sorting: XLA:CPU sorted 16 rows of 151936 in 0.55 s.
+    """
     V = z_BxV.shape[-1]
-    sorted_desc = -jnp.sort(-z_BxV, axis=-1)  # [B, V]
-    k = jnp.where((top_k_B > 0) & (top_k_B < V), top_k_B, V)[:, None]
-    kth = jnp.take_along_axis(sorted_desc, k - 1, axis=-1)
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each sorted token
-    n_keep = jnp.maximum(jnp.sum(before < top_p_B[:, None], axis=-1, keepdims=True), 1)
-    pth = jnp.take_along_axis(sorted_desc, n_keep - 1, axis=-1)
+    key = _order_key(z_BxV)
+    k = jnp.where((top_k_B > 0) & (top_k_B < V), top_k_B, V)
+    kth = _largest_key_where(key, lambda keep: jnp.sum(keep, axis=-1) >= k)
+    zmax = jnp.max(z_BxV, axis=-1, keepdims=True)
+    p = jnp.exp(z_BxV - zmax)
+    total = jnp.sum(p, axis=-1)
+    pth = _largest_key_where(key, lambda keep: jnp.sum(jnp.where(keep, p, 0.0), axis=-1) >= top_p_B * total)
+    # top_p = 1 keeps everything: in float32 the head's mass can already equal the total.
+    pth = jnp.where(top_p_B[:, None] >= 1.0, jnp.min(key, axis=-1, keepdims=True), pth)
+    cutoff_key = jnp.maximum(kth, pth)
+    # Back to a value: the smallest logit whose key reaches the cutoff (one that exists).
+    cut = jnp.min(jnp.where(key >= cutoff_key, z_BxV, jnp.inf), axis=-1, keepdims=True)
     # p >= min_p * p_max  <=>  z >= z_max + log(min_p)
-    mth = sorted_desc[:, :1] + jnp.log(jnp.maximum(min_p_B[:, None], 1e-30))
-    cutoff = jnp.maximum(jnp.maximum(kth, pth), jnp.where(min_p_B[:, None] > 0, mth, -jnp.inf))
-    return jnp.where(z_BxV >= cutoff, z_BxV, -jnp.inf)
+    mth = zmax + jnp.log(jnp.maximum(min_p_B[:, None], 1e-30))
+    return jnp.maximum(cut, jnp.where(min_p_B[:, None] > 0, mth, -jnp.inf))
 
 
 def sample_key(base_key_data_Bx2: jax.Array, t_B: jax.Array) -> jax.Array:
@@ -136,29 +175,49 @@ def draw_tokens(z_BxV: jax.Array, u_B: jax.Array) -> tuple[jax.Array, jax.Array]
     return (blk * SAMPLE_BLOCK + j).astype(jnp.int32), m + jnp.log(mass[:, -1])
 
 
-def sample_rows(logits_BxV, keys_B, temperature_B, top_k_B, top_p_B, min_p_B):
+def sample_rows(logits_BxV, keys_B, temperature_B, top_k_B, top_p_B, min_p_B, *, filtering: bool | None = None):
     """One sampling step per row: (token ids [B] int32, log-prob under the tempered full
     softmax [B], log-prob under the filtered distribution sampled from [B]), float32.
 
     temperature_B <= 0 decodes that row greedily (argmax; both log-probs are the untempered
-    softmax's). The vocabulary sort runs only when some row filters, and the argmax only when
-    some row is greedy (lax.cond): each is another pass over [B, V].
+    softmax's). `filtering` (static) says whether some sampled row has a top-k / top-p /
+    min-p filter, when the caller knows: False skips the vocabulary sort, True always runs
+    it, None decides on device with lax.cond. A caller that knows should say: at V=151936
+    XLA:CPU ran the whole step about 6x slower with a [B, V] operand going into a cond.
     """
     x = logits_BxV.astype(jnp.float32)
     greedy = temperature_B <= 0.0
     z = x / jnp.where(greedy, 1.0, temperature_B)[:, None]
     V = x.shape[-1]
-    filtering = jnp.any((((top_k_B > 0) & (top_k_B < V)) | (top_p_B < 1.0) | (min_p_B > 0.0)) & ~greedy)
-    filtered = jax.lax.cond(filtering, lambda a: filter_logits(a, top_k_B, top_p_B, min_p_B), lambda a: a, z)
+    if filtering is None:
+        any_filter = jnp.any((((top_k_B > 0) & (top_k_B < V)) | (top_p_B < 1.0) | (min_p_B > 0.0)) & ~greedy)
+        cutoff = jax.lax.cond(
+            any_filter,
+            lambda a: filter_cutoff(a, top_k_B, top_p_B, min_p_B),
+            lambda a: jnp.full((a.shape[0], 1), -jnp.inf, a.dtype),
+            z,
+        )
+        filtered = jnp.where(z >= cutoff, z, -jnp.inf)
+    elif filtering:
+        filtered = filter_logits(z, top_k_B, top_p_B, min_p_B)
+    else:
+        filtered = z
     u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys_B)
     drawn, lse_filtered = draw_tokens(filtered, u)
     tok = jax.lax.cond(
         jnp.any(greedy), lambda: jnp.where(greedy, jnp.argmax(x, axis=-1).astype(jnp.int32), drawn), lambda: drawn
     )
-    lse_full = jax.lax.cond(filtering, lambda a: jax.nn.logsumexp(a, axis=-1), lambda a: lse_filtered, z)
+    lse_full = lse_filtered if filtering is False else jax.nn.logsumexp(z, axis=-1)
     lp_full = jnp.take_along_axis(z, tok[:, None], axis=-1)[:, 0] - lse_full
     lp_filtered = jnp.take_along_axis(filtered, tok[:, None], axis=-1)[:, 0] - lse_filtered
     return tok, lp_full, jnp.where(greedy, lp_full, lp_filtered)
+
+
+def filters(temperature, top_k, top_p, min_p, vocab_size: int) -> bool:
+    """Host side of `sample_rows`' `filtering`: whether any sampled row (temperature > 0) has a
+    top-k below the vocabulary, a top-p below 1 or a min-p above 0 (numpy arrays or scalars)."""
+    t, k, p, m = (np.asarray(a) for a in (temperature, top_k, top_p, min_p))
+    return bool(np.any((((k > 0) & (k < vocab_size)) | (p < 1.0) | (m > 0.0)) & (t > 0)))
 
 
 def decode_mask(pad_B: jax.Array, q_slots_T: jax.Array, S: int, window: int | None) -> jax.Array:
@@ -172,8 +231,9 @@ def decode_mask(pad_B: jax.Array, q_slots_T: jax.Array, S: int, window: int | No
 
 
 def generate_tokens(
-    graphdef, state, prompt_BxP, pad_B, rng, temperature, top_k, top_p, stop_ids, pad_id, *, max_new_tokens: int
-):
+    graphdef, state, prompt_BxP, pad_B, rng, temperature, top_k, top_p, stop_ids, pad_id, *, max_new_tokens: int,
+    filtering: bool | None = None,
+):  # fmt: skip
     """Static-batch generation as one pure function (the owner jits it, with `graphdef` and
     `max_new_tokens` static): prefill a left-padded [B, P] batch, then a `lax.while_loop` of
     single-token decode steps until every row stopped or max_new_tokens.
@@ -215,7 +275,9 @@ def generate_tokens(
 
     def body(carry):
         t, last, caches, done, tokens, logps, slogps, lengths, stopped, st = carry
-        tok, lp, slp = sample_rows(last, sample_key(keys, row(t)), temp_B, top_k_B, top_p_B, min_p_B)
+        tok, lp, slp = sample_rows(
+            last, sample_key(keys, row(t)), temp_B, top_k_B, top_p_B, min_p_B, filtering=filtering
+        )
         tok = jnp.where(done, pad_id, tok)
         tokens = jax.lax.dynamic_update_slice(tokens, tok[:, None], (0, t))
         logps = jax.lax.dynamic_update_slice(logps, jnp.where(done, 0.0, lp)[:, None], (0, t))
@@ -279,7 +341,7 @@ class StaticGenerator:
     def __init__(self, model: Decoder):
         self.graphdef, self.state = nnx.split(model)
         self.cfg = model.cfg
-        self._fn = jax.jit(generate_tokens, static_argnames=("graphdef", "max_new_tokens"))
+        self._fn = jax.jit(generate_tokens, static_argnames=("graphdef", "max_new_tokens", "filtering"))
 
     def __call__(
         self,
@@ -336,6 +398,7 @@ class StaticGenerator:
             jnp.asarray(stop),
             jnp.int32(pad_id),
             max_new_tokens=max_new_tokens,
+            filtering=filters(temperature, top_k, top_p, 0.0, self.cfg.vocab_size),
         )
         stopped = np.asarray(stopped)
         return GenerateOutput(

@@ -58,7 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ptrain.models.generate import base_keys, sample_key, sample_rows
+from ptrain.models.generate import base_keys, filters, sample_key, sample_rows
 from ptrain.rollout.protocol import (
     EngineBase,
     FinishReason,
@@ -140,7 +140,7 @@ def _copy_row(caches, src, dst_N):
 
 
 def _decode(model_def, params, model_state, caches, tok_B, pos_B, t_B, keys_Bx2, temp_B, top_k_B, top_p_B, min_p_B,
-            *, steps: int, key_len: int):  # fmt: skip
+            *, steps: int, key_len: int, filtering: bool):  # fmt: skip
     """`steps` decode steps of cache rows [0, B): feed tok_B at slot pos_B, sample the next.
 
     A row with pos_B >= the cache length is idle: it writes nothing and its outputs are
@@ -157,7 +157,9 @@ def _decode(model_def, params, model_state, caches, tok_B, pos_B, t_B, keys_Bx2,
         if window is not None:
             mask = mask & ((pos[:, None] - s[None, :] < window) | (pos[:, None] >= key_len))
         logits, caches = model.decode_step(tok[:, None], pos[:, None], mask[:, None, :], caches, pos)
-        nxt, lp, slp = sample_rows(logits[:, 0], sample_key(keys_Bx2, t), temp_B, top_k_B, top_p_B, min_p_B)
+        nxt, lp, slp = sample_rows(
+            logits[:, 0], sample_key(keys_Bx2, t), temp_B, top_k_B, top_p_B, min_p_B, filtering=filtering
+        )
         out_tok = out_tok.at[i].set(nxt)
         out_lp = out_lp.at[i].set(lp)
         out_slp = out_slp.at[i].set(slp)
@@ -325,7 +327,7 @@ class LocalEngine(EngineBase):
         )
         self._copy_fn = jax.jit(_copy_row, donate_argnums=(0,))
         self._decode_fn = jax.jit(
-            _decode, static_argnames=("model_def", "steps", "key_len"), donate_argnames=("caches",)
+            _decode, static_argnames=("model_def", "steps", "key_len", "filtering"), donate_argnames=("caches",)
         )
 
         # Per-row host state.
@@ -889,6 +891,8 @@ class LocalEngine(EngineBase):
             jnp.asarray(self._pos[:B]), jnp.asarray(self._t[:B]), jnp.asarray(self._keys[:B]),
             jnp.asarray(self._temp[:B]), jnp.asarray(self._top_k[:B]), jnp.asarray(self._top_p[:B]),
             jnp.asarray(self._min_p[:B]), steps=steps, key_len=key_len,
+            filtering=filters(self._temp[active], self._top_k[active], self._top_p[active], self._min_p[active],
+                              self.vocab_size),
         )  # fmt: skip
         tok, lp, slp = np.asarray(tok), np.asarray(lp), np.asarray(slp)
         self.stats["decode_calls"] += 1
