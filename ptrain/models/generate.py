@@ -149,9 +149,9 @@ def draw_tokens(z_BxV: jax.Array, u_B: jax.Array) -> tuple[jax.Array, jax.Array]
     passes u times the row's total. The running sum is two-level
     (sums of SAMPLE_BLOCK-token blocks, then the chosen block's own sum), so its float32
     rounding stays at the scale of one block. The Gumbel-max trick (`jax.random.categorical`)
-    draws a uniform and takes two logarithms per vocabulary entry instead: on CPU at 16 rows
-    it cost 0.66 ms at V=4096 and 36.7 ms at V=151936, against 0.15 and 0.68 ms here
-    (docs/performance.md).
+    draws a uniform and takes two logarithms per vocabulary entry instead: on 2 CPU cores at
+    16 rows it took 1.0-1.5 ms at V=4096 and 41-58 ms at V=151936, against 0.13-0.25 and
+    2.2-3.5 ms here (docs/performance.md).
     """
     B, V = z_BxV.shape
     n_blocks = -(-V // SAMPLE_BLOCK)
