@@ -100,6 +100,8 @@ MAX_TIMEOUT_S = 86400.0
 """Longest timeout of any one step (a reward computation, a test, a tool call): a day. The
 waits behind them overflow somewhere past it (a worker's pipe polls whole milliseconds as a
 C int, about 24 days; setitimer past the platform's time_t)."""
+MAX_REWARD_WORKERS = 256
+"""Upper bound of env.reward_workers: each is a worker process (sandboxed) or thread."""
 
 
 def _check(cond: bool, key: str, msg: str) -> None:
@@ -494,7 +496,11 @@ def validate_env_config(cfg: EnvConfig) -> Any:
         f"{where}.reward_timeout_s",
         f"must be > 0 and at most {MAX_TIMEOUT_S:g} seconds (one day), got {cfg.reward_timeout_s}",
     )
-    _check(cfg.reward_workers >= 1, f"{where}.reward_workers", f"must be >= 1, got {cfg.reward_workers}")
+    _check(
+        1 <= cfg.reward_workers <= MAX_REWARD_WORKERS,
+        f"{where}.reward_workers",
+        f"must be between 1 and {MAX_REWARD_WORKERS} (each is a process or a thread), got {cfg.reward_workers}",
+    )
     _check(isinstance(cfg.options, Mapping), f"{where}.options", f"must be a mapping, got {cfg.options!r}")
     cls = KIND_OPTIONS.get(cfg.kind)
     _check(

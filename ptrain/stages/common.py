@@ -340,9 +340,29 @@ def setup_stage(
 
     mesh = stage_mesh(run)
     model = load_model(run, init_path or ensure_base_model(run, tokenizer), mesh, tokenizer)
+    _check_frozen_names(model, frozen, kind)
     tx, lr = make_optimizer(run.optim, run.train.steps, frozen=frozen)
     placed = place_state(run, model, tx, mesh, with_reference=with_reference)
     return Stage(run, stage_dir, kind, tokenizer, placed, tx, lr, router_bias_update(run, model), t_start)
+
+
+FREEZE_OPTIONS = {"router": "algo.grpo.freeze_router"}
+"""The option that freezes each parameter name, for the error when the model has none."""
+
+
+def _check_frozen_names(model, frozen: tuple[str, ...], kind: str) -> None:
+    """A frozen name that matches no parameter would silently train everything."""
+    from ptrain.config import ConfigError
+
+    paths = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]
+    names = {getattr(k, "key", getattr(k, "name", None)) for path, _ in paths for k in path}
+    for name in frozen:
+        if name not in names:
+            option = FREEZE_OPTIONS.get(name, f"freezing '{name}'")
+            raise ConfigError(
+                f"{option}: the {kind} stage's model has no '{name}' parameters ({model.cfg.family}, "
+                f"{'MoE' if model.cfg.is_moe else 'dense'}), so nothing would stay fixed; set {option}=false"
+            )
 
 
 def build_step(stage: Stage, algorithm: Algorithm):

@@ -64,6 +64,8 @@ def test_options_are_typed_and_checked():
     bad(r"'envs\.arithmetic\.weight': must be a finite number > 0", weight=0.0)
     bad(r"'envs\.arithmetic\.n_train': must be >= 1", n_train=0)
     bad(r"'envs\.arithmetic\.reward_timeout_s': must be > 0", reward_timeout_s=0)
+    bad(r"'envs\.arithmetic\.reward_workers': must be between 1 and 256", reward_workers=0)
+    bad(r"'envs\.arithmetic\.reward_workers': must be between 1 and 256 \(each is a process", reward_workers=10_000)
     bad(r"'envs\.a/b\.name'", name="a/b")
     bad(r"'envs\.all\.name'.*not 'all'", name="all")
     bad(r"'envs\.arithmetic\.max_new_tokens': must be >= 1 or null", max_new_tokens=0)

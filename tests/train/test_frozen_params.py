@@ -3,6 +3,7 @@ while every other parameter trains."""
 
 import jax
 import numpy as np
+import pytest
 
 from ptrain.config import OptimConfig
 from ptrain.train.optim import frozen_labels, make_optimizer
@@ -26,3 +27,13 @@ def test_router_weights_stay_put_and_the_rest_moves():
                                      jax.tree_util.tree_flatten_with_path(labels)[0]):  # fmt: skip
         moved = float(np.abs(np.asarray(u)).max())
         assert (moved == 0.0) == (label == "frozen"), jax.tree_util.keystr(path)
+
+
+def test_freezing_the_router_of_a_dense_model_is_a_config_error():
+    from ptrain.config import ConfigError
+    from ptrain.stages.common import _check_frozen_names
+
+    _check_frozen_names(tiny_model(n_experts=4, top_k=2, d_ff_expert=16, family="qwen3_moe"), ("router",), "grpo")
+    with pytest.raises(ConfigError, match=r"algo\.grpo\.freeze_router: the grpo stage's model has no 'router' "
+                       r"parameters \(qwen3, dense\).*set algo\.grpo\.freeze_router=false"):  # fmt: skip
+        _check_frozen_names(tiny_model(), ("router",), "grpo")
