@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -42,8 +43,9 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t helpers, const Body&
   };
   for (int64_t h = 0; h < std::min<int64_t>(helpers, n - 1); ++h) pool.Schedule([run]() { run(); });
   run();
-  while (state->done.load(std::memory_order_acquire) < n) {
-  }
+  // Only claimed items are outstanding, each on a running thread; yield rather than spin so
+  // that thread gets the core when the process has fewer cores than threads.
+  while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
 }
 
 typedef float v16 __attribute__((vector_size(64)));
