@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("decode.cc")
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-w")
 TARGET = "ptrain_decode_attention"
+MAX_GROUP = 64
+"""Most query heads per kv head the kernel takes (decode.cc checks the same bound)."""
 
 
 def _cpu_signature() -> str:
@@ -54,8 +56,9 @@ def _cpu_signature() -> str:
 
 def _compiler() -> str | None:
     for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
+        found = shutil.which(name) if name else None
+        if found:
+            return found
     return None
 
 
@@ -157,7 +160,7 @@ def use_decode_attention(q_BxTxHxDh, k_cache, mask_BxTxS) -> bool:
         and q_BxTxHxDh.dtype == jnp.float32
         and k_cache.dtype == jnp.float32
         and mask_BxTxS.dtype == jnp.bool_
-        and q_BxTxHxDh.shape[2] // k_cache.shape[1] <= 64
+        and q_BxTxHxDh.shape[2] // k_cache.shape[1] <= MAX_GROUP
         and jax.default_backend() == "cpu"
         and available()
     )

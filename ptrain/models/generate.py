@@ -181,16 +181,16 @@ def sample_rows(logits_BxV, keys_B, temperature_B, top_k_B, top_p_B, min_p_B, *,
 
     temperature_B <= 0 decodes that row greedily (argmax; both log-probs are the untempered
     softmax's). `filtering` (static) says whether some sampled row has a top-k / top-p /
-    min-p filter, when the caller knows: False skips the vocabulary sort, True always runs
-    it, None decides on device with lax.cond. A caller that knows should say: at V=151936
-    XLA:CPU ran the whole step about 6x slower with a [B, V] operand going into a cond.
+    min-p filter, when the caller knows (`filters`): False skips the cutoff search, True
+    always runs it, None decides on device with lax.cond. A caller that knows should say: at
+    V=151936 XLA:CPU ran the whole step about 6x slower with a [B, V] operand going into a cond.
     """
     x = logits_BxV.astype(jnp.float32)
     greedy = temperature_B <= 0.0
     z = x / jnp.where(greedy, 1.0, temperature_B)[:, None]
     V = x.shape[-1]
     if filtering is None:
-        any_filter = jnp.any((((top_k_B > 0) & (top_k_B < V)) | (top_p_B < 1.0) | (min_p_B > 0.0)) & ~greedy)
+        any_filter = jnp.any(_filtering_rows(temperature_B, top_k_B, top_p_B, min_p_B, V))
         cutoff = jax.lax.cond(
             any_filter,
             lambda a: filter_cutoff(a, top_k_B, top_p_B, min_p_B),
@@ -213,11 +213,16 @@ def sample_rows(logits_BxV, keys_B, temperature_B, top_k_B, top_p_B, min_p_B, *,
     return tok, lp_full, jnp.where(greedy, lp_full, lp_filtered)
 
 
+def _filtering_rows(temperature, top_k, top_p, min_p, vocab_size: int):
+    """Per row (numpy or jax arrays): sampled (temperature > 0) with a top-k below the
+    vocabulary, a top-p below 1 or a min-p above 0."""
+    return (((top_k > 0) & (top_k < vocab_size)) | (top_p < 1.0) | (min_p > 0.0)) & (temperature > 0)
+
+
 def filters(temperature, top_k, top_p, min_p, vocab_size: int) -> bool:
-    """Host side of `sample_rows`' `filtering`: whether any sampled row (temperature > 0) has a
-    top-k below the vocabulary, a top-p below 1 or a min-p above 0 (numpy arrays or scalars)."""
+    """Host side of `sample_rows`' `filtering`: whether any row filters (numpy arrays or scalars)."""
     t, k, p, m = (np.asarray(a) for a in (temperature, top_k, top_p, min_p))
-    return bool(np.any((((k > 0) & (k < vocab_size)) | (p < 1.0) | (m > 0.0)) & (t > 0)))
+    return bool(np.any(_filtering_rows(t, k, p, m, vocab_size)))
 
 
 def decode_mask(pad_B: jax.Array, q_slots_T: jax.Array, S: int, window: int | None) -> jax.Array:
