@@ -47,7 +47,8 @@ def test_wheel_install_imports_kernels_and_composes_recipes(tmp_path):
     wheel = next((tmp_path / "w").glob("ptrain-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "ptrain/kernels/moe/ops.py" in names
-    assert "ptrain/kernels/cpu/decode.cc" in names  # built at first use from the installed source
+    for source in ("decode.cc", "matmul.cc", "parallel.h"):  # built at first use from the installed source
+        assert f"ptrain/kernels/cpu/{source}" in names
     assert "ptrain/conf/config.yaml" in names and "ptrain/conf/recipe/sft_arithmetic.yaml" in names
     assert not any(n.startswith("kernels/") for n in names)  # no top-level `kernels` package
     site = tmp_path / "site"

@@ -3,11 +3,15 @@
     from ptrain.kernels import cpu
     if cpu.available():
         out_BxHxDh = cpu.decode_attention(q_BxHxDh, k_cache, v_cache, mask_BxS)
+    packed = cpu.pack(w_KxN)  # once per weight version
+    y_BxN = cpu.dense(x_BxK, packed)  # the matmul kernel; cpu.dense(x, w_KxN) is XLA's dot
 
 XLA:CPU runs single-token attention over a KV cache as many tiny batched matmuls, after
-copying the cache's used slots out: about half of a small model's decode step
-(docs/performance.md, issue 15). `decode.cc` reads each visible key and value once, in
-place, split over XLA's intra-op threads.
+copying the cache's used slots out, and each of the step's dense projections as a dot on
+one thread at half of one core's read bandwidth (docs/performance.md, issue 15).
+`decode.cc` reads each visible key and value once, in place; `matmul.cc` multiplies a few
+rows by a weight held in panels (`PackedWeight`), reading it as sequential streams. Both
+split their work over XLA's intra-op threads.
 
 The library is compiled with the host's C++ compiler (`$CXX`, else c++ or g++) and
 `-march=native` into `$PTRAIN_CACHE_DIR/kernels` (default `~/.cache/ptrain/kernels`), keyed
@@ -20,6 +24,7 @@ the compiler's message.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -36,11 +41,13 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("decode.cc")
+HERE = Path(__file__).parent
+SOURCES = (HERE / "decode.cc", HERE / "matmul.cc")
+HEADERS = (HERE / "parallel.h",)
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-w")
-TARGET = "ptrain_decode_attention"
+TARGETS = ("ptrain_decode_attention", "ptrain_packed_matmul")
 MAX_GROUP = 64
-"""Most query heads per kv head the kernel takes (decode.cc checks the same bound)."""
+"""Most query heads per kv head the attention kernel takes (decode.cc checks the same bound)."""
 
 
 def _cpu_signature() -> str:
@@ -65,7 +72,8 @@ def _compiler() -> str | None:
 def library_path() -> Path:
     """Where the compiled library for this source, jaxlib and CPU lives (or will)."""
     key = hashlib.sha256()
-    key.update(SOURCE.read_bytes())
+    for path in (*SOURCES, *HEADERS):
+        key.update(path.read_bytes())
     key.update(" ".join(FLAGS).encode())
     key.update(jax.ffi.include_dir().encode())
     key.update(jax.__version__.encode())
@@ -75,7 +83,7 @@ def library_path() -> Path:
 
 
 def build(out: Path) -> None:
-    """Compile decode.cc into `out` (atomically: concurrent builds each write a temporary file
+    """Compile the sources into one library at `out` (atomically: concurrent builds each write a temporary file
     and rename it). Raises RuntimeError with the compiler's message on failure."""
     cxx = _compiler()
     if cxx is None:
@@ -83,7 +91,7 @@ def build(out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", tmp]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
@@ -104,9 +112,10 @@ def available() -> bool:
         if not path.exists():
             build(path)
         lib = ctypes.cdll.LoadLibrary(str(path))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, TARGET)), platform="cpu")
+        for target in TARGETS:
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
-        log.warning("ptrain CPU decode kernels unavailable, using XLA's attention instead: %s", e)
+        log.warning("ptrain CPU decode kernels unavailable, using XLA's attention and dots instead: %s", e)
         return False
     return True
 
@@ -134,7 +143,7 @@ def decode_attention(q_BxHxDh, k_cache, v_cache, mask_BxS):
     docstring and `decode_attention_reference`). Call only when `available()`. Its gradient is
     the reference's, so a differentiated caller stays correct."""
     B, H, Dh = q_BxHxDh.shape
-    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((B, H, Dh), jnp.float32), vmap_method="sequential")(
+    return jax.ffi.ffi_call(TARGETS[0], jax.ShapeDtypeStruct((B, H, Dh), jnp.float32), vmap_method="sequential")(
         q_BxHxDh, k_cache, v_cache, mask_BxS, scale=np.float32(1.0 / np.sqrt(Dh))
     )
 
@@ -163,4 +172,74 @@ def use_decode_attention(q_BxTxHxDh, k_cache, mask_BxTxS) -> bool:
         and q_BxTxHxDh.shape[2] // k_cache.shape[1] <= MAX_GROUP
         and jax.default_backend() == "cpu"
         and available()
+    )
+
+
+PANEL = 16
+"""Columns per panel of a packed weight (matmul.cc's register block width)."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedWeight:
+    """A float32 weight [K, N] in the matmul kernel's layout: panels [..., ceil(N / 16), K, 16],
+    panel p holding columns [16 p, 16 p + 16) (zeros past N) row after row, so a thread reads
+    its panels as one stream. Leading axes stack layers (a scanned model); `n` is static.
+
+    A model's decode step takes these in place of its dense weights (`pack`). Indexing with
+    `[...]` returns the weight itself, as it does for an nnx.Param's array."""
+
+    panels: jax.Array
+    n: int = dataclasses.field(metadata=dict(static=True))
+
+    def __getitem__(self, index):
+        if index is not Ellipsis:
+            raise TypeError("a PackedWeight is read whole: w[...]")
+        return self
+
+    @property
+    def k(self) -> int:
+        return self.panels.shape[-2]
+
+
+def pack(w_KxN) -> PackedWeight:
+    """w [..., K, N] float32 -> PackedWeight. Run once per weight version, outside the step."""
+    K, N = w_KxN.shape[-2:]
+    P = -(-N // PANEL)
+    w = jnp.pad(jnp.asarray(w_KxN, jnp.float32), [(0, 0)] * (w_KxN.ndim - 1) + [(0, P * PANEL - N)])
+    panels = jnp.moveaxis(w.reshape(*w.shape[:-1], P, PANEL), -2, -3)
+    return PackedWeight(panels, int(N))
+
+
+def unpack(w: PackedWeight):
+    """The [..., K, N] weight back from its panels."""
+    panels = jnp.moveaxis(w.panels, -3, -2)
+    return panels.reshape(*panels.shape[:-2], -1)[..., : w.n]
+
+
+def packed_dense(x, w: PackedWeight):
+    """x [..., K] float32 @ the packed weight -> [..., N], by the kernel (call only when
+    `available()`, on CPU). Not differentiable: packed weights serve inference steps."""
+    if x.shape[-1] != w.k or w.panels.ndim != 3:
+        raise ValueError(f"packed_dense: x {x.shape} against a packed [{w.k}, {w.n}] weight")
+    x2 = x.reshape(int(np.prod(x.shape[:-1])), w.k).astype(jnp.float32)
+    out = jax.ffi.ffi_call(TARGETS[1], jax.ShapeDtypeStruct((x2.shape[0], w.n), jnp.float32), vmap_method="sequential")(
+        x2, w.panels
+    )
+    return out.reshape(*x.shape[:-1], w.n)
+
+
+def dense(x, w):
+    """x [..., K] @ w: a [K, N] array by XLA, a PackedWeight by the kernel."""
+    if isinstance(w, PackedWeight):
+        return packed_dense(x, w)
+    return x @ w
+
+
+def packing_applies(params) -> bool:
+    """Whether a decode step should take packed weights: float32 params on CPU, and the
+    kernels built."""
+    leaves = jax.tree.leaves(params)
+    return (
+        bool(leaves) and all(x.dtype == jnp.float32 for x in leaves) and jax.default_backend() == "cpu" and available()
     )

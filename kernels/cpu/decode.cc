@@ -1,63 +1,29 @@
-// CPU kernels for one decode step of the rollout engine, called from XLA through the FFI.
+// Single-token attention over the KV cache for the rollout engine's decode step, called from
+// XLA through the FFI.
 //
 // XLA:CPU runs single-token attention as dozens of tiny batched matmuls after copying the
 // cache's used slots out (docs/performance.md, issue 15). The kernel below reads each
 // visible key and value once, in place, and splits (row, kv head) pairs over XLA's
 // intra-op thread pool. ptrain/kernels/cpu/__init__.py builds it at first use with the host
-// compiler (-O3 -march=native), so the vector code is the CPU's own: GCC's vector extension
-// types lower to AVX-512, AVX2 or NEON as the target has them.
+// compiler (-O3 -march=native), so the vector code is the CPU's own.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
-#include "xla/ffi/api/ffi.h"
+#include "parallel.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-// Runs body(i) for i in [0, n) on the calling thread and up to `helpers` pool threads.
-// Items are claimed from a shared counter, so a helper that starts late finds nothing left,
-// and the caller waits only for items that a running thread has claimed: no deadlock when
-// every pool thread is itself inside such a loop. A helper that runs after the caller has
-// returned touches only the counters it shares ownership of.
-template <typename Body>
-void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t helpers, const Body& body) {
-  struct State {
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> done{0};
-  };
-  auto state = std::make_shared<State>();
-  auto run = [state, n, &body]() {
-    int64_t i;
-    while ((i = state->next.fetch_add(1, std::memory_order_relaxed)) < n) {
-      body(i);
-      state->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t h = 0; h < std::min<int64_t>(helpers, n - 1); ++h) pool.Schedule([run]() { run(); });
-  run();
-  // Only claimed items are outstanding, each on a running thread; yield rather than spin so
-  // that thread gets the core when the process has fewer cores than threads.
-  while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
-}
-
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-
-inline v16 load16(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
+using ptrain_cpu::load16;
+using ptrain_cpu::parallel_for;
+using ptrain_cpu::store16;
+using ptrain_cpu::v16;
+using ptrain_cpu::v16i;
 
 inline float sum16(v16 v) {  // a shuffle tree, not 15 scalar extracts
   v16 t = v + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);

@@ -5,10 +5,19 @@ Public entry points (tests, tools and stages rely on these names):
   load_hf(path, dtype=...) / save_hf(model, path, tokenizer=None)
   generate(model, prompts, ...)          prefill + incremental decode with a KV cache
   flops_per_token(cfg, seq_len)          training FLOPs per token for MFU
+  pack_decode_weights(params)            dense weights in the CPU matmul kernel's layout, for decode
   update_router_bias(state, load, rate)  aux-loss-free router bias step (RouterBias is not a Param)
 """
 
-from ptrain.models.decoder import Decoder, ModelAux, count_params, flops_per_token, init_cache, validate_config
+from ptrain.models.decoder import (
+    Decoder,
+    ModelAux,
+    count_params,
+    flops_per_token,
+    init_cache,
+    pack_decode_weights,
+    validate_config,
+)
 from ptrain.models.generate import GenerateOutput, generate
 from ptrain.models.hf import config_from_hf, config_to_hf, load_hf, save_hf
 from ptrain.models.moe import RouterBias, update_router_bias
@@ -25,6 +34,7 @@ __all__ = [
     "generate",
     "init_cache",
     "load_hf",
+    "pack_decode_weights",
     "save_hf",
     "update_router_bias",
     "validate_config",

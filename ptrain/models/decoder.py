@@ -34,6 +34,7 @@ from flax import nnx, struct
 
 from ptrain.config import choices
 from ptrain.config.model import ModelConfig
+from ptrain.kernels import cpu as cpu_kernels
 from ptrain.models.layers import MLP, Attention, RMSNorm, as_dtype, attention_mask, param, rope_inv_freq, rope_tables
 
 REMAT_POLICIES = {
@@ -279,7 +280,10 @@ class Decoder(nnx.Module):
     def logits_from_hidden(self, h_BxLxD: jax.Array) -> jax.Array:
         """Final-normed hidden states -> float32 logits [B, L, V]."""
         dt = as_dtype(self._frozen.cfg.dtype)
-        w = self.head_weight().astype(dt)
+        w = self.head_weight()
+        if isinstance(w, cpu_kernels.PackedWeight):
+            return cpu_kernels.packed_dense(h_BxLxD, w)
+        w = w.astype(dt)
         return jnp.einsum("bld,dv->blv", h_BxLxD.astype(dt), w, preferred_element_type=jnp.float32)
 
     def _trunk(self, input_ids_BxL, positions_BxL, mask_BxTxS, caches=None, cache_index=None):
@@ -343,6 +347,40 @@ class Decoder(nnx.Module):
         """
         h, _, new_caches = self._trunk(input_ids_BxT, positions_BxT, mask_BxTxS, caches, cache_index)
         return self.logits_from_hidden(h), new_caches
+
+
+def pack_decode_weights(params: dict) -> dict:
+    """A Decoder's params (`split_model`'s pure dict) with every dense projection of a dense
+    or MoE block's attention, of a dense MLP and of an untied output head as a
+    `ptrain.kernels.cpu.PackedWeight`, for `decode_step` on CPU (see that module). Norms,
+    embeddings, routers and experts stay arrays. The caller keeps the unpacked params for
+    prefill and training; this is a second copy of the packed weights."""
+
+    def attn(p: dict) -> dict:
+        out = dict(p)
+        for name in ("q", "k", "v"):  # [..., D, N, Dh] -> [..., D, N * Dh]
+            w = p[name]
+            out[name] = cpu_kernels.pack(w.reshape(*w.shape[:-2], -1))
+        o = p["o"]  # [..., H, Dh, D] -> [..., H * Dh, D]
+        out["o"] = cpu_kernels.pack(o.reshape(*o.shape[:-3], -1, o.shape[-1]))
+        return out
+
+    def walk(node):
+        if not isinstance(node, dict):
+            return [walk(x) for x in node] if isinstance(node, list) else node
+        out = {}
+        for key, value in node.items():
+            if key == "attn":
+                out[key] = attn(value)
+            elif key == "mlp" and set(value) == {"gate", "up", "down"}:
+                out[key] = {k: cpu_kernels.pack(w) for k, w in value.items()}
+            elif key == "lm_head":
+                out[key] = cpu_kernels.pack(value)
+            else:
+                out[key] = walk(value)
+        return out
+
+    return walk(params)
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> dict:

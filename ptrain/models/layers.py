@@ -301,6 +301,7 @@ class Attention(nnx.Module):
         self.k = param(rngs, (D, K, Dh), ("embed", "kv_heads", "head_dim"), std=cfg.init_std, dtype=pd)
         self.v = param(rngs, (D, K, Dh), ("embed", "kv_heads", "head_dim"), std=cfg.init_std, dtype=pd)
         self.o = param(rngs, (H, Dh, D), ("heads", "head_dim", "embed"), std=cfg.init_std, dtype=pd)
+        self.head_dim = Dh
         self.qkv_bias = cfg.qkv_bias
         self.sliding_window = cfg.sliding_window
         if cfg.qkv_bias:
@@ -314,7 +315,12 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(Dh, **kw)
 
     def _project(self, x: jax.Array, w: nnx.Param, b: nnx.Param | None) -> jax.Array:
-        y = jnp.einsum("bld,dnh->blnh", x, w[...].astype(self.dtype))
+        w = w[...]
+        if isinstance(w, cpu_kernels.PackedWeight):  # a decode step's packed [D, N * Dh]
+            Dh = self.head_dim
+            y = cpu_kernels.packed_dense(x, w).reshape(*x.shape[:-1], w.n // Dh, Dh)
+        else:
+            y = jnp.einsum("bld,dnh->blnh", x, w.astype(self.dtype))
         if b is not None:
             y = y + b[...].astype(self.dtype)[None, None]
         return y
@@ -373,7 +379,10 @@ class Attention(nnx.Module):
         # One contraction over H * Dh: written as an einsum over (heads, head_dim), XLA:CPU
         # transposed both the activations and the whole weight to contract them, every call.
         B, T, H, Dh = out_BxTxHxDh.shape
-        w = self.o[...].astype(self.dtype).reshape(H * Dh, -1)
+        w = self.o[...]
+        if isinstance(w, cpu_kernels.PackedWeight):
+            return cpu_kernels.packed_dense(out_BxTxHxDh.reshape(B, T, H * Dh), w)
+        w = w.astype(self.dtype).reshape(H * Dh, -1)
         return (out_BxTxHxDh.reshape(B, T, H * Dh) @ w).astype(out_BxTxHxDh.dtype)
 
 
@@ -389,7 +398,11 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype
-        return swiglu(x, self.gate[...].astype(dt), self.up[...].astype(dt), self.down[...].astype(dt))
+        gate, up, down = self.gate[...], self.up[...], self.down[...]
+        if isinstance(gate, cpu_kernels.PackedWeight):  # a decode step: no backward pass
+            dense = cpu_kernels.packed_dense
+            return dense(jax.nn.silu(dense(x, gate)) * dense(x, up), down)
+        return swiglu(x, gate.astype(dt), up.astype(dt), down.astype(dt))
 
 
 @jax.custom_vjp

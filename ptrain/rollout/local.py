@@ -311,6 +311,15 @@ class LocalEngine(EngineBase):
             return jax.device_put(x, device if mesh is None else x.sharding, may_alias=False)
 
         self._params, self._model_state = jax.tree.map(commit, params), jax.tree.map(commit, model_state)
+        # On one CPU device with float32 weights, decode steps read a second copy of the dense
+        # weights in the CPU matmul kernel's panel layout (ptrain.kernels.cpu), made once per
+        # weight version; prefill keeps XLA's dots on the weights as they are.
+        from ptrain.kernels import cpu as cpu_kernels
+        from ptrain.models import pack_decode_weights
+
+        packs = mesh is None and cpu_kernels.packing_applies(self._params)
+        self._pack_fn = jax.jit(pack_decode_weights) if packs else None
+        self._decode_params = self._packed(self._params)
         self._weight_version = str(weight_version)
         self._updates = 0
         self._seeds = np.random.default_rng(seed)
@@ -685,8 +694,12 @@ class LocalEngine(EngineBase):
 
     # ------------------------------------------------------------------ state changes (engine thread)
 
+    def _packed(self, params):
+        return params if self._pack_fn is None else self._pack_fn(params)
+
     def _swap(self, params, model_state, version: str) -> None:
         self._params = params
+        self._decode_params = self._packed(params)
         if model_state is not None:
             self._model_state = model_state
         self._weight_version = version
@@ -887,7 +900,7 @@ class LocalEngine(EngineBase):
         steps = self.decode_steps
         key_len = _bucket(int(self._pos[active].max()) + steps, 16, self.context_length)
         self._caches, tok, lp, slp = self._decode_fn(
-            self._model_def, self._params, self._model_state, self._caches, jnp.asarray(self._tok[:B]),
+            self._model_def, self._decode_params, self._model_state, self._caches, jnp.asarray(self._tok[:B]),
             jnp.asarray(self._pos[:B]), jnp.asarray(self._t[:B]), jnp.asarray(self._keys[:B]),
             jnp.asarray(self._temp[:B]), jnp.asarray(self._top_k[:B]), jnp.asarray(self._top_p[:B]),
             jnp.asarray(self._min_p[:B]), steps=steps, key_len=key_len,
