@@ -72,6 +72,8 @@ inline void axpy(float p, const float* x, float* y, int64_t n) {  // y += p * x
   for (; d < n; ++d) y[d] += p * x[d];
 }
 
+constexpr int64_t kAhead = 2048;  // floats of keys or values prefetched ahead of the slot being read (8 KiB)
+
 // out[g, :] = softmax_s(scale * q[g] . k[s]) v[s] over the slots s < S with mask[s] set, for
 // the G query heads that share one kv head; no visible slot gives zeros.
 // q, out: [G, Dh]; k, v: [S_max, Dh]; scores: scratch [G, S rounded up to 16].
@@ -83,6 +85,10 @@ void attend_one(const float* q, const float* k, const float* v, const bool* mask
   for (int64_t g = 0; g < G; ++g) m[g] = -INFINITY;
   for (int64_t s = 0; s < S; ++s) {
     const float* ks = k + s * Dh;
+    for (int64_t d = 0; d < Dh; d += 16) {
+      __builtin_prefetch(ks + kAhead + d, 0, 3);
+      if (s * Dh < kAhead) __builtin_prefetch(v + s * Dh + d, 0, 3);  // the values' first slots
+    }
     for (int64_t g = 0; g < G; ++g) {
       float x = -INFINITY;
       if (mask[s]) {
@@ -106,8 +112,9 @@ void attend_one(const float* q, const float* k, const float* v, const bool* mask
     for (int64_t s = 0; s < S16; ++s) sc[s] *= inv;
   }
   for (int64_t s = 0; s < S; ++s) {
-    if (!mask[s]) continue;
     const float* vs = v + s * Dh;
+    for (int64_t d = 0; d < Dh; d += 16) __builtin_prefetch(vs + kAhead + d, 0, 3);
+    if (!mask[s]) continue;
     for (int64_t g = 0; g < G; ++g) axpy(scores[g * S16 + s], vs, out + g * Dh, Dh);
   }
 }
