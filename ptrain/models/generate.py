@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ptrain.models.decoder import Decoder, init_cache
+from ptrain.kernels import cpu as cpu_kernels
+from ptrain.models.decoder import Decoder, init_cache, pack_decode_weights
 
 MAX_STOP_TOKENS = 64
 """Stop-token slots; a fixed size keeps the compiled loop reusable across stop sets."""
@@ -237,7 +238,7 @@ def decode_mask(pad_B: jax.Array, q_slots_T: jax.Array, S: int, window: int | No
 
 def generate_tokens(
     graphdef, state, prompt_BxP, pad_B, rng, temperature, top_k, top_p, stop_ids, pad_id, *, max_new_tokens: int,
-    filtering: bool | None = None,
+    filtering: bool | None = None, decode_state=None,
 ):  # fmt: skip
     """Static-batch generation as one pure function (the owner jits it, with `graphdef` and
     `max_new_tokens` static): prefill a left-padded [B, P] batch, then a `lax.while_loop` of
@@ -246,7 +247,9 @@ def generate_tokens(
     state: the model's nnx state (`nnx.split(model)`); rng: a key, row b samples with
     `sample_key(fold_in(rng, b), t)`; temperature / top_k / top_p: scalars for every row;
     stop_ids: int32 [MAX_STOP_TOKENS] padded with -1. Returns (tokens, logprobs,
-    sampling_logprobs [B, N], lengths [B], stopped [B]).
+    sampling_logprobs [B, N], lengths [B], stopped [B]). decode_state: the same weights for
+    the single-token steps in another layout (`pack_decode_weights` of its pure dict), or
+    None to use `state`.
     """
     cfg = nnx.merge(graphdef, state).cfg
 
@@ -296,7 +299,8 @@ def generate_tokens(
         logits, caches = decode_step(st, tok[:, None], pos, decode_mask(pad_B, slot[None], S, window), caches, slot)
         return t + 1, logits[:, 0, :], caches, done, tokens, logps, slogps, lengths, stopped, st
 
-    carry = (jnp.zeros((), jnp.int32), logits[:, -1, :], caches, done, tokens, logps, slogps, lengths, stopped, state)
+    st = state if decode_state is None else decode_state
+    carry = (jnp.zeros((), jnp.int32), logits[:, -1, :], caches, done, tokens, logps, slogps, lengths, stopped, st)
     _, _, _, _, tokens, logps, slogps, lengths, stopped, _ = jax.lax.while_loop(cond, body, carry)
     return tokens, logps, slogps, lengths, stopped
 
@@ -340,13 +344,18 @@ class StaticGenerator:
         out = gen([[1, 5, 7], [1, 9]], max_new_tokens=32, stop_tokens=[eos_id])
 
     The serving engine (`ptrain.rollout.LocalEngine`) batches continuously instead; this is
-    the simple path for one-off batches, tests and the static-batching baseline.
+    the simple path for one-off batches, tests and the static-batching baseline. Like the
+    engine, on one CPU device with float32 weights its decode steps read the dense weights
+    packed for ptrain.kernels.cpu (a second copy, made here or per call for `state`).
     """
 
     def __init__(self, model: Decoder):
         self.graphdef, self.state = nnx.split(model)
         self.cfg = model.cfg
         self._fn = jax.jit(generate_tokens, static_argnames=("graphdef", "max_new_tokens", "filtering"))
+        packs = cpu_kernels.packing_applies(nnx.to_pure_dict(self.state))
+        self._pack = jax.jit(lambda st: pack_decode_weights(nnx.to_pure_dict(st))) if packs else None
+        self._decode_state = self._pack(self.state) if packs else None
 
     def __call__(
         self,
@@ -391,9 +400,13 @@ class StaticGenerator:
         ids, pads = left_pad(prompts, pad_id, P)
         stop = np.full((MAX_STOP_TOKENS,), -1, np.int32)
         stop[: len(stop_tokens)] = np.asarray(stop_tokens, np.int32)
+        if state is None:
+            state, decode_state = self.state, self._decode_state
+        else:
+            decode_state = None if self._pack is None else self._pack(state)
         tokens, logps, slogps, lengths, stopped = self._fn(
             self.graphdef,
-            self.state if state is None else state,
+            state,
             jnp.asarray(ids),
             jnp.asarray(pads),
             jax.random.key(0) if rng is None else rng,
@@ -404,6 +417,7 @@ class StaticGenerator:
             jnp.int32(pad_id),
             max_new_tokens=max_new_tokens,
             filtering=filters(temperature, top_k, top_p, 0.0, self.cfg.vocab_size),
+            decode_state=decode_state,
         )
         stopped = np.asarray(stopped)
         return GenerateOutput(

@@ -101,3 +101,27 @@ def test_decode_step_on_packed_weights_matches_arrays(cfg):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     for g, w in zip(jax.tree.leaves(got_caches), jax.tree.leaves(want_caches)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
+def test_static_generation_on_packed_weights_matches_arrays():
+    from ptrain.models.generate import StaticGenerator
+
+    model = Decoder(TINY, rngs=nnx.Rngs(3))
+    gen = StaticGenerator(model)
+    assert gen._decode_state is not None  # float32 on one CPU device: packed
+    prompts = [[1, 2, 3], [4, 5]]
+    got = gen(prompts, max_new_tokens=6)
+    want = gen(prompts, max_new_tokens=6, state=gen.state)  # packs the passed state per call
+    np.testing.assert_array_equal(got.tokens_BxN, want.tokens_BxN)
+    # greedy tokens equal the full forward's argmax path, step by step
+    ids = list(prompts[0])
+    for t in range(6):
+        logits = model(jnp.asarray([ids]))
+        assert int(got.tokens_BxN[0, t]) == int(jnp.argmax(logits[0, -1]))
+        ids.append(int(got.tokens_BxN[0, t]))
+
+
+def test_sharded_or_bfloat16_weights_are_not_packed():
+    assert cpu.packing_applies({"w": jnp.zeros((4, 4), jnp.float32)})
+    assert not cpu.packing_applies({"w": jnp.zeros((4, 4), jnp.bfloat16)})
+    assert not cpu.packing_applies({})
