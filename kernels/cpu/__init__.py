@@ -184,13 +184,16 @@ PANEL = 16
 class PackedWeight:
     """A float32 weight [K, N] in the matmul kernel's layout: panels [..., ceil(N / 16), K, 16],
     panel p holding columns [16 p, 16 p + 16) (zeros past N) row after row, so a thread reads
-    its panels as one stream. Leading axes stack layers (a scanned model); `n` is static.
+    its panels as one stream. Leading axes stack layers (a scanned model).
 
-    A model's decode step takes these in place of its dense weights (`pack`). Indexing with
-    `[...]` returns the weight itself, as it does for an nnx.Param's array."""
+    `parts` (static, summing to n) marks several weights of one input fused along N, read by
+    one kernel call: `split` cuts the product back into them. A model's decode step takes
+    these in place of its dense weights (`pack`, `pack_fused`). Indexing with `[...]` returns
+    the weight itself, as it does for an nnx.Param's array."""
 
     panels: jax.Array
     n: int = dataclasses.field(metadata=dict(static=True))
+    parts: tuple[int, ...] = dataclasses.field(default=(), metadata=dict(static=True))
 
     def __getitem__(self, index):
         if index is not Ellipsis:
@@ -201,7 +204,12 @@ class PackedWeight:
     def k(self) -> int:
         return self.panels.shape[-2]
 
+    def split(self, y):
+        """The product y [..., n] cut into the fused weights' outputs, one per part."""
+        return jnp.split(y, np.cumsum(self.parts)[:-1].tolist(), axis=-1)
 
+
+@jax.jit
 def pack(w_KxN) -> PackedWeight:
     """w [..., K, N] float32 -> PackedWeight. Run once per weight version, outside the step."""
     K, N = w_KxN.shape[-2:]
@@ -209,6 +217,13 @@ def pack(w_KxN) -> PackedWeight:
     w = jnp.pad(jnp.asarray(w_KxN, jnp.float32), [(0, 0)] * (w_KxN.ndim - 1) + [(0, P * PANEL - N)])
     panels = jnp.moveaxis(w.reshape(*w.shape[:-1], P, PANEL), -2, -3)
     return PackedWeight(panels, int(N))
+
+
+@jax.jit
+def pack_fused(*ws_KxN) -> PackedWeight:
+    """Weights [..., K, N_i] of the same input as one PackedWeight with parts (N_1, N_2, ...)."""
+    fused = pack(jnp.concatenate([jnp.asarray(w, jnp.float32) for w in ws_KxN], axis=-1))
+    return dataclasses.replace(fused, parts=tuple(int(w.shape[-1]) for w in ws_KxN))
 
 
 def unpack(w: PackedWeight):

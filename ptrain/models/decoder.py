@@ -350,20 +350,23 @@ class Decoder(nnx.Module):
 
 
 def pack_decode_weights(params: dict) -> dict:
-    """A Decoder's params (`split_model`'s pure dict) with every dense projection of a dense
-    or MoE block's attention, of a dense MLP and of an untied output head as a
-    `ptrain.kernels.cpu.PackedWeight`, for `decode_step` on CPU (see that module). Norms,
-    embeddings, routers and experts stay arrays. The caller keeps the unpacked params for
-    prefill and training; this is a second copy of the packed weights."""
+    """A Decoder's params (`split_model`'s pure dict) with its dense projections as
+    `ptrain.kernels.cpu.PackedWeight`s, for `decode_step` on CPU (see that module): each
+    attention's q, k and v fused into one weight held under `q` (`k` and `v` hold the same
+    object, so the step reads the three with one kernel call), its output projection, each
+    dense MLP's gate and up fused the same way under `gate` and `up`, its down projection,
+    and an untied output head. Norms, embeddings, routers and experts stay arrays. The
+    caller keeps the unpacked params for prefill and training; this is a second copy. Call it
+    outside jit: a jitted caller would return the shared weights as three buffers."""
 
     def attn(p: dict) -> dict:
-        out = dict(p)
-        for name in ("q", "k", "v"):  # [..., D, N, Dh] -> [..., D, N * Dh]
-            w = p[name]
-            out[name] = cpu_kernels.pack(w.reshape(*w.shape[:-2], -1))
+        qkv = cpu_kernels.pack_fused(*(p[n].reshape(*p[n].shape[:-2], -1) for n in ("q", "k", "v")))
         o = p["o"]  # [..., H, Dh, D] -> [..., H * Dh, D]
-        out["o"] = cpu_kernels.pack(o.reshape(*o.shape[:-3], -1, o.shape[-1]))
-        return out
+        return {**p, "q": qkv, "k": qkv, "v": qkv, "o": cpu_kernels.pack(o.reshape(*o.shape[:-3], -1, o.shape[-1]))}
+
+    def mlp(p: dict) -> dict:
+        gate_up = cpu_kernels.pack_fused(p["gate"], p["up"])
+        return {"gate": gate_up, "up": gate_up, "down": cpu_kernels.pack(p["down"])}
 
     def walk(node):
         if not isinstance(node, dict):
@@ -373,7 +376,7 @@ def pack_decode_weights(params: dict) -> dict:
             if key == "attn":
                 out[key] = attn(value)
             elif key == "mlp" and set(value) == {"gate", "up", "down"}:
-                out[key] = {k: cpu_kernels.pack(w) for k, w in value.items()}
+                out[key] = mlp(value)
             elif key == "lm_head":
                 out[key] = cpu_kernels.pack(value)
             else:

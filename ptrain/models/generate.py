@@ -354,7 +354,7 @@ class StaticGenerator:
         self.cfg = model.cfg
         self._fn = jax.jit(generate_tokens, static_argnames=("graphdef", "max_new_tokens", "filtering"))
         packs = cpu_kernels.packing_applies(nnx.to_pure_dict(self.state))
-        self._pack = jax.jit(lambda st: pack_decode_weights(nnx.to_pure_dict(st))) if packs else None
+        self._pack = (lambda st: pack_decode_weights(nnx.to_pure_dict(st))) if packs else None
         self._decode_state = self._pack(self.state) if packs else None
 
     def __call__(

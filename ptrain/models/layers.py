@@ -314,16 +314,23 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(Dh, **kw)
             self.k_norm = RMSNorm(Dh, **kw)
 
-    def _project(self, x: jax.Array, w: nnx.Param, b: nnx.Param | None) -> jax.Array:
-        w = w[...]
-        if isinstance(w, cpu_kernels.PackedWeight):  # a decode step's packed [D, N * Dh]
-            Dh = self.head_dim
-            y = cpu_kernels.packed_dense(x, w).reshape(*x.shape[:-1], w.n // Dh, Dh)
+    def _projections(self, x_BxTxD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q [B, T, H, Dh], k and v [B, T, K, Dh]."""
+        w = self.q[...]
+        if isinstance(w, cpu_kernels.PackedWeight):  # a decode step: q | k | v in one packed weight
+            if len(w.parts) != 3:
+                raise ValueError("packed attention weights must hold q, k and v fused (pack_decode_weights)")
+            q, k, v = (
+                y.reshape(*x_BxTxD.shape[:-1], -1, self.head_dim) for y in w.split(cpu_kernels.packed_dense(x_BxTxD, w))
+            )
         else:
-            y = jnp.einsum("bld,dnh->blnh", x, w.astype(self.dtype))
-        if b is not None:
-            y = y + b[...].astype(self.dtype)[None, None]
-        return y
+            q, k, v = (
+                jnp.einsum("bld,dnh->blnh", x_BxTxD, p[...].astype(self.dtype)) for p in (self.q, self.k, self.v)
+            )
+        if self.qkv_bias:
+            biases = (self.q_bias, self.k_bias, self.v_bias)
+            q, k, v = (y + b[...].astype(self.dtype)[None, None] for y, b in zip((q, k, v), biases))
+        return q, k, v
 
     def __call__(
         self,
@@ -342,10 +349,7 @@ class Attention(nnx.Module):
         where a slot >= S_max writes nothing (an idle row of a serving batch). Queries attend
         to cache slots [0, S) with S = mask_BxTxS.shape[-1] <= S_max, so a caller bounds the
         keys read by the length it knows is in use."""
-        bias = self.qkv_bias
-        q = self._project(x_BxTxD, self.q, self.q_bias if bias else None)
-        k = self._project(x_BxTxD, self.k, self.k_bias if bias else None)
-        v = self._project(x_BxTxD, self.v, self.v_bias if bias else None)
+        q, k, v = self._projections(x_BxTxD)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -399,9 +403,9 @@ class MLP(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype
         gate, up, down = self.gate[...], self.up[...], self.down[...]
-        if isinstance(gate, cpu_kernels.PackedWeight):  # a decode step: no backward pass
-            dense = cpu_kernels.packed_dense
-            return dense(jax.nn.silu(dense(x, gate)) * dense(x, up), down)
+        if isinstance(gate, cpu_kernels.PackedWeight):  # a decode step: gate | up in one packed weight
+            g, u = gate.split(cpu_kernels.packed_dense(x, gate))
+            return cpu_kernels.packed_dense(jax.nn.silu(g) * u, down)
         return swiglu(x, gate.astype(dt), up.astype(dt), down.astype(dt))
 
 

@@ -318,7 +318,7 @@ class LocalEngine(EngineBase):
         from ptrain.models import pack_decode_weights
 
         packs = mesh is None and cpu_kernels.packing_applies(self._params)
-        self._pack_fn = jax.jit(pack_decode_weights) if packs else None
+        self._pack_fn = pack_decode_weights if packs else None
         self._decode_params = self._packed(self._params)
         self._weight_version = str(weight_version)
         self._updates = 0

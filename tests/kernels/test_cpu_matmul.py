@@ -125,3 +125,17 @@ def test_sharded_or_bfloat16_weights_are_not_packed():
     assert cpu.packing_applies({"w": jnp.zeros((4, 4), jnp.float32)})
     assert not cpu.packing_applies({"w": jnp.zeros((4, 4), jnp.bfloat16)})
     assert not cpu.packing_applies({})
+
+
+def test_fused_weights_share_one_buffer_and_split_back():
+    r = np.random.default_rng(4)
+    a, b = (jnp.asarray(r.normal(size=(24, n)), jnp.float32) for n in (20, 12))
+    fused = cpu.pack_fused(a, b)
+    assert fused.parts == (20, 12) and fused.n == 32
+    x = jnp.asarray(r.normal(size=(3, 24)), jnp.float32)
+    ya, yb = fused.split(cpu.dense(x, fused))
+    np.testing.assert_allclose(np.asarray(ya), np.asarray(x @ a), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(yb), np.asarray(x @ b), rtol=1e-5, atol=1e-5)
+    _, params, _ = split_model(Decoder(TINY, rngs=nnx.Rngs(0)))
+    attn = pack_decode_weights(params)["dense_blocks"][0]["attn"]
+    assert attn["q"] is attn["k"] is attn["v"]  # one copy of q | k | v, read by one call
