@@ -83,8 +83,9 @@ def library_path() -> Path:
 
 
 def build(out: Path) -> None:
-    """Compile the sources into one library at `out` (atomically: concurrent builds each write a temporary file
-    and rename it). Raises RuntimeError with the compiler's message on failure."""
+    """Compile the sources into one library at `out` (atomically: concurrent builds each
+    write a temporary file and rename it). Raises RuntimeError with the compiler's message
+    on failure."""
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
@@ -252,9 +253,13 @@ def dense(x, w):
 
 
 def packing_applies(params) -> bool:
-    """Whether a decode step should take packed weights: float32 params on CPU, and the
-    kernels built."""
+    """Whether a decode step should take packed weights: float32 params, each on one CPU
+    device (not sharded over a mesh), and the kernels built."""
     leaves = jax.tree.leaves(params)
     return (
-        bool(leaves) and all(x.dtype == jnp.float32 for x in leaves) and jax.default_backend() == "cpu" and available()
+        bool(leaves)
+        and all(x.dtype == jnp.float32 for x in leaves)
+        and all(len(x.sharding.device_set) == 1 for x in leaves if isinstance(x, jax.Array))
+        and jax.default_backend() == "cpu"
+        and available()
     )
