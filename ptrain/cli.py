@@ -20,7 +20,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from ptrain.config import ConfigError, register_configs, to_run_config
-from ptrain.config.run import shadowed_overrides
+from ptrain.config.run import check_list_overrides, shadowed_overrides
 from ptrain.runtime import tune_xla_cpu
 
 log = logging.getLogger("ptrain")
@@ -89,6 +89,12 @@ def _hydra_main(cfg: DictConfig) -> Any:
 
 
 def main() -> None:
+    # Hydra refuses a list-typed key given without brackets before _run sees it, with a
+    # message that shows neither the type nor the form to pass: say both first.
+    try:
+        check_list_overrides(sys.argv[1:])
+    except ConfigError as e:
+        _fail("config error", e, 2)
     _hydra_main()
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -217,6 +219,78 @@ def shadowed_overrides(run: RunConfig, overrides: list[str]) -> list[str]:
                     f"'{text}'; pass stages.{i}.{key}=... to change it there"
                 )
     return notes
+
+
+def check_list_overrides(args: list[str]) -> None:
+    """ConfigError for a command-line override that gives a list-typed field one value, or
+    several without brackets: `rollout.urls=http://10.0.0.1:30000` or `rollout.urls=http://a:1,
+    http://b:2`. Hydra refuses both before any of our code runs ("str is not a ListConfig" /
+    "Ambiguous value"), without showing the form to pass; this names the key and shows it.
+    Runs on the raw command line, before Hydra composes; anything it cannot judge (not an
+    override, a key outside the typed config, a syntax error) is left to Hydra."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ValueType
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    for text in args:
+        if text.startswith("-") or "=" not in text:
+            continue  # a Hydra flag (-m, --cfg job, ...) or its argument
+        try:
+            override = parser.parse_override(text)
+        except HydraException:
+            continue  # Hydra reports its own grammar errors
+        if override.is_delete() or not _is_list_field(override.key_or_group):
+            continue
+        shown, raw = text.split("=", 1)
+        value = override.value()
+        if override.value_type == ValueType.ELEMENT:
+            if value is None or isinstance(value, list | tuple) or "${" in str(value):
+                continue  # null (OmegaConf names the type), a list, or an interpolation that may make one
+            raise ConfigError(
+                f"config key '{override.key_or_group}': must be a list, got the single value {raw!r}; pass "
+                f'"{shown}=[{raw}]" (in quotes, so the shell leaves the brackets alone)'
+            )
+        if override.value_type in (ValueType.SIMPLE_CHOICE_SWEEP, ValueType.CHOICE_SWEEP):
+            items = list(value.list)
+            if any(isinstance(v, list | tuple) for v in items):
+                continue  # a sweep over lists: -m rollout.urls=[a],[b]
+            listed = ",".join(str(v) for v in items)
+            raise ConfigError(
+                f"config key '{override.key_or_group}': must be a list, got {raw!r}, which Hydra reads as a sweep "
+                f'over single values; pass "{shown}=[{listed}]" for one list (in quotes, so the shell leaves the '
+                f'brackets alone), or with -m "{shown}=' + ",".join(f"[{v}]" for v in items) + '" to sweep over lists'
+            )
+
+
+def _is_list_field(key: str) -> bool:
+    """Whether the dotted key names a list-typed field of RunConfig (through dataclass
+    fields, dict values and list items)."""
+    node: Any = RunConfig
+    for part in key.split("."):
+        node = _without_none(node)
+        origin = typing.get_origin(node)
+        if dataclasses.is_dataclass(node):
+            hints = typing.get_type_hints(node)
+            if part not in hints:
+                return False
+            node = hints[part]
+        elif origin is dict:
+            node = typing.get_args(node)[1]
+        elif origin is list and part.isdigit():
+            node = typing.get_args(node)[0]
+        else:
+            return False
+    return typing.get_origin(_without_none(node)) is list
+
+
+def _without_none(tp: Any) -> Any:
+    """X for the annotation `X | None`; any other annotation as it is."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
 
 
 def _explain_omegaconf_error(e: OmegaConfBaseException, prefix: str = "") -> str:

@@ -170,3 +170,31 @@ def test_overrides_a_stage_replaces_are_pointed_out():
         "stage 'dpo' sets algo.dpo.beta=0.1 itself, which takes precedence over 'algo.dpo.beta=0.5'; "
         "pass stages.1.algo.dpo.beta=... to change it there",
     ]
+
+
+def test_a_list_key_given_without_brackets_shows_the_bracketed_form():
+    """`rollout.urls=http://10.0.0.1:30000`: Hydra itself refuses it ("str is not a
+    ListConfig"); the CLI checks first and names the key, the type and what to pass."""
+    from ptrain.config.run import check_list_overrides
+
+    with pytest.raises(ConfigCompositionException) as e:  # what Hydra alone says
+        composed("rollout=sglang", "rollout.urls=http://10.0.0.1:30000")
+    assert "rollout.urls=[" not in str(e.value) + str(e.value.__cause__)
+
+    with pytest.raises(ConfigError) as e:
+        check_list_overrides(["recipe=sft_grpo_arithmetic", "rollout=sglang", "rollout.urls=http://10.0.0.1:30000"])
+    assert str(e.value) == (
+        "config key 'rollout.urls': must be a list, got the single value 'http://10.0.0.1:30000'; pass "
+        '"rollout.urls=[http://10.0.0.1:30000]" (in quotes, so the shell leaves the brackets alone)'
+    )
+    with pytest.raises(ConfigError) as e:  # two without brackets: Hydra's "Ambiguous value"
+        check_list_overrides(["rollout.urls=http://a:1,http://b:2"])
+    assert '"rollout.urls=[http://a:1,http://b:2]" for one list' in str(e.value)
+    assert '"rollout.urls=[http://a:1],[http://b:2]" to sweep over lists' in str(e.value)
+    with pytest.raises(ConfigError, match=r'pass "algo.eval.pass_k=\[4\]"'):  # every list field, not only urls
+        check_list_overrides(["algo.eval.pass_k=4"])
+    # What is fine, or not ours to judge, passes through to Hydra.
+    check_list_overrides(
+        ["-m", "--cfg", "job", "rollout=sglang", "rollout.urls=[http://a:1]", "rollout.urls=[http://a:1],[http://b:2]",
+         "rollout.router_url=http://r:1", "rollout.urls=${oc.env:URLS}", "~rollout.urls", "rollout.urls=[broken"]
+    )  # fmt: skip

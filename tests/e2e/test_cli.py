@@ -197,6 +197,18 @@ def test_unknown_key_fails_naming_it(tmp_path):
     assert out.returncode != 0 and "learnig_rate" in out.stderr
 
 
+def test_a_worker_url_without_list_brackets_shows_the_bracketed_form(tmp_path):
+    """Hydra alone would refuse it with "str is not a ListConfig, list or tuple"."""
+    out = cli("recipe=sft_grpo_arithmetic", "rollout=sglang", "rollout.urls=http://10.0.0.1:30000",
+              f"run_dir={tmp_path}", check=False)  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip() == (
+        "ptrain: config error: config key 'rollout.urls': must be a list, got the single value "
+        "'http://10.0.0.1:30000'; pass \"rollout.urls=[http://10.0.0.1:30000]\" (in quotes, so the shell "
+        "leaves the brackets alone)"
+    ), out.stderr
+
+
 @pytest.mark.slow
 def test_sft_then_dpo_pipeline_hands_the_export_on(tmp_path):
     tiny = [a for a in TINY if not a.startswith("recipe=")]
