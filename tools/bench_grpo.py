@@ -141,7 +141,7 @@ def bench_overrides(args, mode: str, run_dir: str) -> list[str]:
         "algo.grpo.kl_coef=0.0",
         "algo.grpo.aggregation=token_mean",
         f"algo.grpo.mode={mode}",
-        "algo.grpo.max_staleness=1",
+        *(["algo.grpo.max_staleness=1"] if mode == "async" else []),  # sync mode refuses the key
         "optim.lr=1e-6",
         "optim.schedule=constant",
         "optim.b2=0.999",

@@ -130,9 +130,10 @@ class GRPOAlgoConfig:
     mode: str = "sync"
     """sync: generate, then train, strictly on-policy. async: the next batches are generated
     while this one trains, at most max_staleness weight versions behind."""
-    max_staleness: int = 1
-    """async: a sample generated with weights more than this many versions older than the
-    ones it trains is dropped and regenerated (>= 0; 0 is sync with overlap of nothing)."""
+    max_staleness: int | None = None
+    """async only: a sample generated with weights more than this many versions older than the
+    ones it trains is dropped and regenerated (>= 0; 0 is sync with overlap of nothing). null:
+    DEFAULT_MAX_STALENESS (1). Setting it with mode=sync is an error, not a silent no-op."""
     partial_rollouts: bool = True
     """async: at a weight update, running samples continue with the new weights (their
     weight_versions record the switch); false: they finish on the old weights first."""
@@ -141,6 +142,16 @@ class GRPOAlgoConfig:
     freeze_router: bool = False
     """Keep router weights fixed (Nemotron 3's RL); with router_aux_loss_coef 0 and the
     expert-bias update on, routing still balances."""
+
+
+DEFAULT_MAX_STALENESS = 1
+"""algo.grpo.max_staleness of an async stage that leaves it null."""
+
+
+def staleness_bound(cfg: GRPOAlgoConfig) -> int:
+    """The weight versions an async sample may lag behind: algo.grpo.max_staleness, or
+    DEFAULT_MAX_STALENESS when it is null."""
+    return DEFAULT_MAX_STALENESS if cfg.max_staleness is None else cfg.max_staleness
 
 
 @dataclass
@@ -307,7 +318,12 @@ def validate_grpo(cfg: GRPOAlgoConfig, check) -> None:
     c(cfg.pass_rate_target is None or 0 <= cfg.pass_rate_target <= 1, "algo.grpo.pass_rate_target",
       f"must be null or in [0, 1], got {cfg.pass_rate_target}")  # fmt: skip
     c(cfg.pass_rate_width > 0, "algo.grpo.pass_rate_width", f"must be > 0, got {cfg.pass_rate_width}")
-    c(cfg.max_staleness >= 0, "algo.grpo.max_staleness", f"must be >= 0, got {cfg.max_staleness}")
+    c(cfg.max_staleness is None or cfg.max_staleness >= 0, "algo.grpo.max_staleness",
+      f"must be null or >= 0, got {cfg.max_staleness}")  # fmt: skip
+    c(cfg.max_staleness is None or cfg.mode == "async", "algo.grpo.max_staleness",
+      f"only applies to mode=async (how many weight versions a sample may lag), but mode is {cfg.mode!r}, "
+      f"where every sample is on-policy; drop algo.grpo.max_staleness={cfg.max_staleness}, or pass "
+      "algo.grpo.mode=async")  # fmt: skip
     # inf passes the bounds above but makes the sampling uniform or the loss inf/nan
     for key in ("temperature", "kl_coef", "entropy_coef", "invalid_tool_call_advantage"):
         value = getattr(cfg, key)

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ptrain.config import RunConfig
+from ptrain.config.grpo import staleness_bound
 from ptrain.data.rollouts import policy_batch
 from ptrain.losses.advantages import group_advantages
 from ptrain.rollout.collector import Group, RolloutCollector
@@ -68,7 +69,7 @@ def groups_ahead(cfg) -> int:
     before it is taken. max_staleness batches ahead therefore arrive within the bound; one
     batch more ages every group one version past it, and about one group in two would be
     dropped and sampled again (measured: 8 of 16 per step, tools/bench_grpo.py)."""
-    return max(cfg.max_staleness, 1) * cfg.prompts_per_step if cfg.mode == "async" else 0
+    return max(staleness_bound(cfg), 1) * cfg.prompts_per_step if cfg.mode == "async" else 0
 
 
 class RolloutBatches:
@@ -163,7 +164,7 @@ class RolloutBatches:
 
     def _collect(self, n: int) -> list[Group]:
         if self.cfg.mode == "async":
-            return self.collector.take(n, version=self.version, max_staleness=self.cfg.max_staleness)
+            return self.collector.take(n, version=self.version, max_staleness=staleness_bound(self.cfg))
         return self.collector.collect(n, version=self.version)
 
     def _rollout(self) -> None:

@@ -198,3 +198,31 @@ def test_a_list_key_given_without_brackets_shows_the_bracketed_form():
         ["-m", "--cfg", "job", "rollout=sglang", "rollout.urls=[http://a:1]", "rollout.urls=[http://a:1],[http://b:2]",
          "rollout.router_url=http://r:1", "rollout.urls=${oc.env:URLS}", "~rollout.urls", "rollout.urls=[broken"]
     )  # fmt: skip
+
+
+def test_max_staleness_is_refused_in_sync_mode_and_defaults_to_one_in_async_mode():
+    """The default (null) cannot be mistaken for a user's value: setting max_staleness, even to
+    the async default, in sync mode is an error naming both keys; async resolves null to 1."""
+    from ptrain.config.grpo import DEFAULT_MAX_STALENESS, staleness_bound
+    from ptrain.stages.grpo import groups_ahead
+
+    grpo = ["stages=[{name: g, kind: grpo}]", "env=arithmetic", "algo.grpo.prompts_per_step=4"]
+    for value in (1, 4):
+        with pytest.raises(ConfigError) as e:
+            to_run_config(composed(*grpo, "algo.grpo.mode=sync", f"algo.grpo.max_staleness={value}"))
+        assert str(e.value) == (
+            f"stage 'g': config key 'algo.grpo.max_staleness': only applies to mode=async (how many weight versions "
+            f"a sample may lag), but mode is 'sync', where every sample is on-policy; drop "
+            f"algo.grpo.max_staleness={value}, or pass algo.grpo.mode=async"
+        )
+    sync = to_run_config(composed(*grpo)).algo.grpo
+    assert sync.max_staleness is None and groups_ahead(sync) == 0
+    default = to_run_config(composed(*grpo, "algo.grpo.mode=async")).algo.grpo
+    assert default.max_staleness is None and staleness_bound(default) == DEFAULT_MAX_STALENESS == 1
+    assert groups_ahead(default) == 4
+    set_ = to_run_config(composed(*grpo, "algo.grpo.mode=async", "algo.grpo.max_staleness=3")).algo.grpo
+    assert staleness_bound(set_) == 3 and groups_ahead(set_) == 12
+    zero = to_run_config(composed(*grpo, "algo.grpo.mode=async", "algo.grpo.max_staleness=0")).algo.grpo
+    assert staleness_bound(zero) == 0 and groups_ahead(zero) == 4
+    with pytest.raises(ConfigError, match="algo.grpo.max_staleness': must be null or >= 0, got -1"):
+        to_run_config(composed(*grpo, "algo.grpo.mode=async", "algo.grpo.max_staleness=-1"))
