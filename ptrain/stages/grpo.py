@@ -144,9 +144,11 @@ class RolloutBatches:
         return host
 
     def get_state(self) -> dict[str, Any]:
-        return {"collector": self.collector.get_state(), "version": self.version, "cost_usd": self.cost_usd}
+        return {"collector": self.collector.get_state(), "version": self.version, "cost_usd": self.cost_usd,
+                "group_size": self.cfg.group_size}  # fmt: skip
 
     def set_state(self, state: dict[str, Any]) -> None:
+        self._check_resumable(state)
         try:
             self.collector.set_state(state["collector"])
             self.version = int(state.get("version", 0))
@@ -159,6 +161,32 @@ class RolloutBatches:
                 f"no GRPO rollout state ({type(e).__name__}: {e}): a stage of another kind wrote it under this "
                 "name, or it is damaged; rename the stage, or delete that folder to restart it"
             ) from None
+
+    def _check_resumable(self, state: Any) -> None:
+        """A changed algo.grpo.group_size is refused when the checkpoint holds finished groups
+        (async mode): they have the old number of samples, and a rollout batch of them would
+        not be prompts_per_step x group_size rows (a larger group_size silently trains on a
+        padded batch of the old groups, a smaller one fails in policy_batch). Tasks still
+        running restart with the new group_size, and a changed prompts_per_step only changes
+        how many groups a batch takes, so those resume as they are."""
+        try:
+            ready = state["collector"].get("ready") or []
+            sizes = sorted({len(g["trajectories"]) for g in ready})
+        except (KeyError, TypeError, AttributeError):
+            return  # not a GRPO rollout state: set_state names the folder
+        new = self.cfg.group_size
+        if not sizes or sizes == [new]:
+            return
+        from ptrain.config import ConfigError
+
+        old = state.get("group_size") if isinstance(state.get("group_size"), int) else sizes[0]
+        raise ConfigError(
+            f"config key 'algo.grpo.group_size': the checkpoint in {os.path.join(self.stage.dir, 'checkpoints')} "
+            f"that this stage resumes from holds {len(ready)} finished rollout groups of {old} samples each "
+            f"(algo.grpo.group_size={old} when it was saved), which a rollout batch of group_size={new} cannot "
+            f"train on; restore algo.grpo.group_size={old} to resume this run, or start the changed run in a new "
+            "run_dir"
+        )
 
     # ------------------------------------------------------------------ one rollout batch
 

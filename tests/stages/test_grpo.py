@@ -207,3 +207,41 @@ def test_a_checkpoint_without_rollout_state_is_an_error_naming_the_folder(tmp_pa
     want = f"ptrain: error: the checkpoint in {stage / 'checkpoints'} that the stage resumes from holds no GRPO"
     assert want + " rollout state (KeyError: 'collector')" in out.stderr, out.stderr[-2000:]
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_resuming_async_with_another_group_size_is_refused_and_another_prompts_per_step_is_not(tmp_path):
+    """An async checkpoint holds finished groups of group_size samples. Resumed with a larger
+    group_size they used to train silently as one padded batch of the old groups (a smaller
+    one failed in policy_batch with "16 trajectories do not fit 8 rows"); now the resume
+    stops before anything runs, naming both values. A changed prompts_per_step is sound (each
+    group stands alone) and resumes: every later step takes the new number of groups, none
+    twice, within the staleness bound."""
+    steps = ["algo.grpo.mode=async", "algo.grpo.max_staleness=1"]
+    run(tmp_path, "train.steps=2", *steps)
+    stage = tmp_path / "stages" / "grpo"
+    (stage / "DONE.json").unlink()
+    out = subprocess.run(
+        [sys.executable, "-m", "ptrain", *TINY, "train.steps=4", *steps, "algo.grpo.group_size=8",
+         f"run_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-3000:]
+    want = (
+        f"ptrain: config error: config key 'algo.grpo.group_size': the checkpoint in {stage / 'checkpoints'} that "
+        "this stage resumes from holds 4 finished rollout groups of 4 samples each (algo.grpo.group_size=4 when it "
+        "was saved), which a rollout batch of group_size=8 cannot train on; restore algo.grpo.group_size=4 to "
+        "resume this run, or start the changed run in a new run_dir"
+    )
+    assert want in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr and not (stage / "DONE.json").exists()
+
+    run(tmp_path, "train.steps=4", *steps, "algo.grpo.prompts_per_step=2")
+    m = metrics(tmp_path)
+    assert [r["step"] for r in m] == [1, 2, 3, 4]
+    assert [r["train/loss_seqs"] for r in m] == [16, 16, 8, 8]  # 4 then 2 groups of 4 samples
+    by_step = {b["version"]: b for b in audit(tmp_path) if b.get("record") == "train_batch"}
+    assert [len(by_step[v]["groups"]) for v in range(4)] == [4, 4, 2, 2]
+    used = [g for b in by_step.values() for g in b["groups"]]
+    assert len(used) == len(set(used)) == 12
+    assert all(b["version"] - v <= 1 for b in by_step.values() for v in b["group_versions"])
