@@ -222,9 +222,11 @@ class RolloutConfig:
     current weight version, so the router stops sending it requests at once instead of after
     its own health checks."""
     weight_dir: str | None = None
-    """sglang: where weight versions are exported, one folder v<version> each (default
-    <stage>/weights). Every worker must read this path: a shared file system, or /dev/shm for
-    a fleet on the trainer's own host."""
+    """sglang: where weight versions are exported, one folder v<version> each. null:
+    <stage>/weights. Set: each stage exports into a folder of its own under it,
+    <weight_dir>/<run name>-<stage>-<hash of the stage folder>, so runs that share it never
+    replace or prune each other's versions. Every worker must read this path: a shared file
+    system, or /dev/shm for a fleet on the trainer's own host."""
     keep_weight_versions: int = 2
     """sglang: exported versions kept on disk (>= 1); older ones are deleted after a push."""
     weight_dtype: str = "bfloat16"

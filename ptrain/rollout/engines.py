@@ -5,8 +5,9 @@
 
 local: `LocalEngine` on the stage's own weights, in process. sglang: `FleetEngine` on the
 fleet named by rollout.urls / rollout.router_url, exporting weight versions into
-rollout.weight_dir (default `<stage_dir>/weights`). Both speak the rollout protocol; the
-stage syncs either to its weights with `update_weights` before sampling.
+`<stage_dir>/weights`, or with rollout.weight_dir set into a folder of the stage's own under
+it (weight_sync.run_weight_dir), so runs may share that root. Both speak the rollout
+protocol; the stage syncs either to its weights with `update_weights` before sampling.
 """
 
 from __future__ import annotations
@@ -47,9 +48,22 @@ def make_engine(run, model_def, params, model_state, *, mesh, tokenizer, seed: i
     if ro.kind == "sglang":
         from ptrain.rollout.fleet import FleetEngine
 
-        weight_dir = ro.weight_dir or os.path.join(stage_dir or run.run_dir, "weights")
         extra = {"eos_token_id": list(eos)} if eos else None
         return FleetEngine.from_config(
-            ro, model_cfg=model.cfg, weight_dir=weight_dir, eos_token_ids=eos, seed=seed, extra_config=extra
-        )
+            ro, model_cfg=model.cfg, weight_dir=fleet_weight_dir(run, stage_dir), eos_token_ids=eos, seed=seed,
+            extra_config=extra,
+        )  # fmt: skip
     raise ValueError(f"rollout.kind={ro.kind!r}: pass local or sglang")
+
+
+def fleet_weight_dir(run, stage_dir: str | None) -> str:
+    """Where a stage's FleetEngine exports weight versions: `<stage_dir>/weights`, or with
+    rollout.weight_dir set, the stage's own folder under it (weight_sync.run_weight_dir), which
+    no other run writes or prunes and a resumed run finds again."""
+    from ptrain.rollout.weight_sync import run_weight_dir
+
+    owner = stage_dir or run.run_dir
+    if not run.rollout.weight_dir:
+        return os.path.join(owner, "weights")
+    name = f"{run.name}-{os.path.basename(os.path.normpath(stage_dir))}" if stage_dir else run.name
+    return run_weight_dir(run.rollout.weight_dir, owner, name)

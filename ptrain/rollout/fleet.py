@@ -255,7 +255,8 @@ class FleetEngine(EngineBase):
     @classmethod
     def from_config(cls, ro, *, model_cfg=None, weight_dir: str | None = None, eos_token_ids=(), seed: int = 0,
                     extra_config=None) -> FleetEngine:  # fmt: skip
-        """From a RolloutConfig (`rollout.*`); weight_dir: rollout.weight_dir when set."""
+        """From a RolloutConfig (`rollout.*`); weight_dir: the folder to export into (default
+        rollout.weight_dir itself; make_engine passes the stage's own folder under it)."""
         names = (
             "request_timeout_s", "connect_timeout_s", "unhealthy_timeout_s", "max_retries", "retry_backoff_s",
             "per_worker_concurrency", "health_interval_s", "health_timeout_s", "probe_backoff_s",
@@ -264,7 +265,7 @@ class FleetEngine(EngineBase):
         )  # fmt: skip
         return cls(
             urls=list(ro.urls), router_url=ro.router_url, model_cfg=model_cfg,
-            weight_dir=ro.weight_dir or weight_dir, eos_token_ids=eos_token_ids, seed=seed,
+            weight_dir=weight_dir or ro.weight_dir, eos_token_ids=eos_token_ids, seed=seed,
             extra_config=extra_config, **{k: getattr(ro, k) for k in names},
         )  # fmt: skip
 

@@ -5,6 +5,9 @@
     outcomes = await push_to_workers(client, urls, result.path, "12", mode="drain", ...)
     prune_versions(weight_dir, keep=2, current="12")
 
+A stage exports into a folder of its own: `<stage>/weights`, or under a shared
+rollout.weight_dir the folder `run_weight_dir` names, so runs never touch each other's versions.
+
 Layout. A version folder is a Hugging Face folder SGLang's `/update_weights_from_disk` and
 `python -m ptrain.serve` load: config.json, model.safetensors (or model-0000i-of-0000n
 shards with model.safetensors.index.json), and manifest.json, which lists every tensor's
@@ -94,6 +97,20 @@ class _Tensor:
     hf_shape: tuple[int, ...]
     transpose: bool
     nbytes: int
+
+
+def run_weight_dir(weight_dir: str, owner_dir: str, name: str) -> str:
+    """The folder of one stage under a weight_dir that runs may share (rollout.weight_dir, e.g.
+    /dev/shm/ptrain): `<weight_dir>/<name>-<8 hex digits of owner_dir's absolute path>`.
+
+    Versions are named by optimizer step, so two runs exporting into one folder would replace
+    each other's v<step> (a worker told to load one run's weights could read the other's), and
+    each run's prune_versions would delete the other's newest versions. Under its own folder a
+    run only ever sees, replaces and prunes what it wrote; the same stage folder (a resumed
+    run) maps to the same one. `name` keeps it readable (run and stage name)."""
+    digest = hashlib.sha256(os.path.abspath(owner_dir).encode()).hexdigest()[:8]
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "run"
+    return os.path.join(weight_dir, f"{safe[:80]}-{digest}")
 
 
 def version_folder(weight_dir: str, version: str) -> str:

@@ -1,8 +1,8 @@
 """Weight export for the fleet, on a real tiny model: the folder loads like a save_hf folder
 (float32 byte for byte, bfloat16 as the rounded weights), the manifest catches damage, shards
 written by two "hosts" in parallel make the same folder, a version folder appears only when
-complete (an export SIGKILLed halfway leaves nothing a worker could load), and pruning keeps
-the newest versions."""
+complete (an export SIGKILLed halfway leaves nothing a worker could load), pruning keeps
+the newest versions, and two runs sharing a rollout.weight_dir keep to their own versions."""
 
 from __future__ import annotations
 
@@ -233,6 +233,50 @@ def test_reexporting_a_version_replaces_it_and_pruning_keeps_the_newest(parts, t
     assert prune_versions(weight_dir, keep=2, current="2") == ["1"]
     assert sorted(v for _, v, _ in list_versions(weight_dir)) == ["2", "3"]
     assert not [n for n in os.listdir(weight_dir) if n.startswith(".")]
+
+
+def test_two_runs_on_one_weight_dir_never_replace_or_prune_each_others_versions(parts, tmp_path):
+    """Two runs with the same rollout.weight_dir, exporting and pruning after every step as
+    FleetEngine.update_weights does. Into the one folder, run B's prune deleted run A's newest
+    versions (A's current one too) and B's v3 replaced A's v3; each now writes under its own
+    folder of that root, and a resumed run (same stage folder) finds its own again."""
+    from ptrain.config import RunConfig
+    from ptrain.rollout.engines import fleet_weight_dir
+
+    params, model_state = parts
+    root = str(tmp_path / "shm")
+    runs = {}
+    for name in ("a", "b"):
+        run = RunConfig(name=name, run_dir=str(tmp_path / "runs" / name))
+        run.rollout.weight_dir = root
+        runs[name] = (run, os.path.join(run.run_dir, "stages", "grpo"))
+    dirs = {name: fleet_weight_dir(run, stage) for name, (run, stage) in runs.items()}
+    assert dirs["a"] != dirs["b"] and all(os.path.dirname(d) == root for d in dirs.values())
+    assert os.path.basename(dirs["a"]).startswith("a-grpo-")
+    run_a, stage_a = runs["a"]
+    resumed = RunConfig(name="a", run_dir=run_a.run_dir)  # the same run launched again
+    resumed.rollout.weight_dir = root + "/"
+    assert fleet_weight_dir(resumed, stage_a + "/") == dirs["a"]
+    assert fleet_weight_dir(RunConfig(run_dir=run_a.run_dir), stage_a) == os.path.join(stage_a, "weights")
+
+    weights = {"a": params, "b": jax.tree.map(lambda x: x + 1, params)}
+    for v in ("1", "2", "3"):  # A runs three steps, then B three more alongside it
+        export_weights(CFG, weights["a"], model_state, dirs["a"], v, dtype="float32")
+        prune_versions(dirs["a"], keep=2, current=v)
+    for v in ("1", "2", "3"):
+        export_weights(CFG, weights["b"], model_state, dirs["b"], v, dtype="float32")
+        assert prune_versions(dirs["b"], keep=2, current=v) == ([] if v != "3" else ["1"])
+
+    def digests(folder):
+        return {k: e["sha256"] for k, e in read_manifest(folder, check_data=True)["tensors"].items()}
+
+    for name in ("a", "b"):
+        assert sorted(v for _, v, _ in list_versions(dirs[name])) == ["2", "3"]
+        want = digests(export_weights(CFG, weights[name], model_state, str(tmp_path / f"ref-{name}"), "0",
+                                      dtype="float32").path)  # fmt: skip
+        for v in ("2", "3"):
+            assert digests(version_folder(dirs[name], v)) == want, (name, v)  # its own weights, not the other's
+    assert list_versions(root) == []  # nothing at the root that a run would prune
 
 
 def test_bench_weight_sync_runs_on_the_tiny_model(tmp_path):
