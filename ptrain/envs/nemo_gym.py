@@ -127,6 +127,8 @@ class Reply:
     status: int
     text: str
     json: Any = None
+    json_error: str | None = None
+    """Why the body is not JSON (None when it is)."""
 
 
 class ResourcesSession:
@@ -175,14 +177,15 @@ class ResourcesSession:
         except httpx.TimeoutException:
             limit = timeout.read
             raise NemoGymError(f"{where}: no answer within {limit:g} s{what}") from None
-        except httpx.HTTPError as e:
+        except Exception as e:  # noqa: BLE001 - httpx.HTTPError (a dropped connection, a bad answer) and what
+            # else a transport can raise: a failed exchange fails its episode, never the batch
             raise NemoGymError(f"{where}: the request failed ({type(e).__name__}: {e})") from None
         text = response.text
         try:
-            parsed = response.json()
-        except ValueError:
-            parsed = None
-        return Reply(response.status_code, text, parsed)
+            parsed, problem = response.json(), None
+        except (ValueError, RecursionError) as e:  # not JSON; nested past what the parser takes
+            parsed, problem = None, f"{type(e).__name__}: {str(e)[:200]}"
+        return Reply(response.status_code, text, parsed, problem)
 
     async def post_json(self, route: str, body: Any, *, timeout_s: float | None = None, what: str = "") -> Any:
         """POST and demand a 2xx JSON object; NemoGymError names the route, status and body."""
@@ -190,6 +193,9 @@ class ResourcesSession:
         where = f"POST {self.url}{route}"
         if not 200 <= reply.status < 300:
             raise NemoGymError(f"{where} answered {reply.status}: {_excerpt(reply.text)}")
+        if reply.json_error is not None:
+            raise NemoGymError(f"{where} answered {reply.status} with a body that is not JSON ({reply.json_error}): "
+                               f"{_excerpt(reply.text)}")  # fmt: skip
         if not isinstance(reply.json, dict):
             raise NemoGymError(f"{where} answered {reply.status} with a body that is not a JSON object: "
                                f"{_excerpt(reply.text)}")  # fmt: skip
@@ -497,7 +503,11 @@ def read_verdict(answer: Mapping[str, Any], sent: Mapping[str, Any], *, where: s
             return Verdict(0.0, {}, f"{where}: reward_components must map names to finite numbers, got "
                            f"{_excerpt(json.dumps(raw), 200)}", record, metrics)  # fmt: skip
         components = {str(k): float(v) for k, v in raw.items()}
-        total = math.fsum(components.values())
+        try:
+            total = math.fsum(components.values())
+        except OverflowError:  # finite components whose sum is not
+            return Verdict(0.0, components, f"{where}: reward_components {components} sum past the float range; "
+                           f"they cannot sum to reward {reward}", record, metrics)  # fmt: skip
         if abs(total - reward) > tolerance * max(1.0, abs(reward)):
             return Verdict(0.0, components, f"{where}: reward {reward} is not the sum of reward_components "
                            f"{components} ({total}); NeMo RL requires them to sum", record, metrics)  # fmt: skip
@@ -721,6 +731,13 @@ class NemoGymEnv(MultiTurnEnv):
                 self.stats["errors"] += 1
                 logger.warning("env %s task %s sample %d: %s", self.name, task.id, j, e)
                 self._finish(state, "error", str(e))
+            except EngineUnavailable:  # nothing can sample: the stage checkpoints and stops
+                raise
+            except Exception as e:  # noqa: BLE001 - what no check above foresaw fails this episode, not the batch
+                self.stats["errors"] += 1
+                logger.exception("env %s task %s sample %d failed", self.name, task.id, j)
+                self._finish(state, "error", f"the episode against {self.url} failed unexpectedly "
+                             f"({type(e).__name__}: {str(e)[:300]})")  # fmt: skip
         state.result = self._result(state, verdict)
         self.stats["episodes"] += 1
         return state.trajectory(task)

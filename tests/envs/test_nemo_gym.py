@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -673,6 +674,146 @@ def test_a_refused_seed_names_the_status_and_the_servers_reason(tok, session_sta
     (t,) = run(env, env.tasks("train", seed=0)[0], ReplayEngine(["1"], tokenizer=tok))
     assert t.finish_reason == "error"
     assert t.error.startswith(f"POST {session_state.url}/seed_session answered 422") and "initial_count" in t.error
+
+
+class _MisbehavingServer(BaseHTTPRequestHandler):
+    """A resources server on loopback that answers each row as its "misbehave" field says."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
+        how = body.get("misbehave", "") if isinstance(body, dict) else ""
+        route = self.path
+        if route == "/deep":  # a tool whose reply nests past what the JSON parser takes
+            return self._answer(b"[" * 100_000 + b"]" * 100_000)
+        if route == "/seed_session" and how == "seed_truncated_json":
+            return self._answer(b'{"session": ')
+        if route == "/seed_session" and how == "seed_deep_json":
+            return self._answer(b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+        if route == "/verify" and how == "verify_drop":  # the connection drops halfway through the body
+            self.send_response(200)
+            self.send_header("content-length", "100")
+            self.end_headers()
+            self.wfile.write(b'{"reward"')
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_RDWR)
+            self.close_connection = True
+            return None
+        if route == "/verify" and how == "verify_overflow":  # finite components whose sum is not
+            return self._answer(json.dumps({"reward": 1.0, "reward_components": {"a": 1e308, "b": 1e308}}).encode())
+        if route == "/verify" and how == "verify_no_reward":
+            return self._answer(b'{"passed": true}')
+        return self._answer(b'{"reward": 1.0}' if route == "/verify" else b"{}")
+
+    def _answer(self, data: bytes) -> None:
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def test_a_server_that_answers_garbage_or_drops_the_connection_fails_only_those_episodes(tok, tmp_path):
+    """A batch of rows against a real HTTP server on loopback that answers some of them with
+    truncated JSON, JSON nested past the parser's limit, a dropped connection, components that
+    overflow or no reward. Each is its own failed (or zero-reward) episode with the reason, and
+    the rest of the batch is verified. Before, the nested JSON (RecursionError) and the
+    overflowing components (OverflowError) escaped the episode: the whole group failed, and an
+    evaluation (asyncio.gather over the rows) died with them."""
+    tools = [{"type": "function", "name": "deep", "parameters": {"type": "object", "properties": {}}}]
+    cases = ["ok", "seed_truncated_json", "seed_deep_json", "verify_drop", "verify_overflow", "verify_no_reward",
+             "tool_deep_json"]  # fmt: skip
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"responses_create_params": {"input": f"row {how}",
+                                        **({"tools": tools} if how == "tool_deep_json" else {})},
+                                        "misbehave": how}) + "\n" for how in cases))  # fmt: skip
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _MisbehavingServer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        # The tool's 200,000 characters are cut to 100 before they reach the episode's tokens.
+        env = make_env(tok, url, str(rows), request_timeout_s=10.0, max_tool_output_chars=100)
+        tasks = env.tasks("train", seed=0)
+        tool_task = f"nemo_gym/{tasks[cases.index('tool_deep_json')].id}"
+        engine = ReplayEngine({None: ["4"] * 20, **{f"{tool_task}/s{j}/t0": call("deep") for j in range(2)}},
+                              tokenizer=tok)  # fmt: skip
+
+        async def batch():
+            return await asyncio.gather(
+                *(env.rollout(t, engine, SamplingParams(max_new_tokens=64, n=2)) for t in tasks)
+            )
+
+        results = dict(zip(cases, asyncio.run(batch())))
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    for how, ts in results.items():
+        assert len(ts) == 2, how
+    for how in ("ok", "tool_deep_json"):  # a tool reply is an observation, JSON or not
+        assert all(t.error is None and t.metrics["verified"] == 1 and t.reward == 1.0 for t in results[how]), how
+    (tool_turn,) = [u for u in results["tool_deep_json"][0].turns if u.role == "tool"]
+    assert tool_turn.tool == "deep" and tool_turn.text.startswith("[[[[")
+    failed = {
+        "seed_truncated_json": f"POST {url}/seed_session answered 200 with a body that is not JSON (JSONDecodeError: ",
+        "seed_deep_json": f"POST {url}/seed_session answered 200 with a body that is not JSON (RecursionError: ",
+        "verify_drop": f"POST {url}/verify: the request failed (RemoteProtocolError: peer closed connection",
+    }
+    for how, reason in failed.items():
+        for t in results[how]:
+            assert t.finish_reason == "error" and t.reward == 0.0 and t.metrics["verified"] == 0, how
+            assert t.error.startswith(reason), (how, t.error)
+    for how, reason in (("verify_overflow", f"POST {url}/verify: reward_components {{'a': 1e+308, 'b': 1e+308}} "
+                         "sum past the float range; they cannot sum to reward 1.0"),
+                        ("verify_no_reward", f"POST {url}/verify answered without a finite number as reward")):  # fmt: skip
+        for t in results[how]:  # verified, and scored 0 with the reason
+            assert t.error is None and t.reward == 0.0 and t.metrics["verified"] == 1, how
+            assert t.reward_error.startswith(reason), (how, t.reward_error)
+    assert env.stats["errors"] == 2 * len(failed)
+
+
+def test_an_unforeseen_failure_reading_an_answer_fails_only_its_episode(tok, tmp_path, monkeypatch):
+    """Past the checks of the HTTP layer and of read_verdict, anything an exchange raises (here a
+    verdict reader that indexes a field the answer lacks) ends that episode with its class and
+    message, and the other rows of the batch are still verified."""
+    import ptrain.envs.nemo_gym as nemo_gym
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"responses_create_params": {"input": f"row {how}"}, "misbehave": how}) + "\n"
+                            for how in ("ok", "verify_no_reward")))  # fmt: skip
+    read = nemo_gym.read_verdict
+
+    def strict_read(answer, sent, **kw):
+        answer["reward"]  # noqa: B018 - a reader that assumes the field
+        return read(answer, sent, **kw)
+
+    monkeypatch.setattr(nemo_gym, "read_verdict", strict_read)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _MisbehavingServer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        env = make_env(tok, url, str(rows))
+        engine = ReplayEngine(["4"] * 4, tokenizer=tok)
+
+        async def batch():
+            return await asyncio.gather(*(env.rollout(t, engine, SamplingParams(max_new_tokens=16)) for t in
+                                          env.tasks("train", seed=0)))  # fmt: skip
+
+        (ok,), (bad,) = asyncio.run(batch())
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    assert ok.error is None and ok.reward == 1.0 and ok.metrics["verified"] == 1
+    assert bad.finish_reason == "error" and bad.reward == 0.0 and bad.metrics["verified"] == 0
+    assert bad.error == f"the episode against {url} failed unexpectedly (KeyError: 'reward')"
+    assert env.stats["errors"] == 1
 
 
 # ----------------------------------------------------------------------------- a real engine
