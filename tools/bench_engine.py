@@ -18,7 +18,8 @@ Parts (the 8-layer d512 Qwen3 of tools/bench_model.py, float32, 2 torch threads)
   logprob  engine log-probs of sampled tokens against the trainer's forward on the same
            tokens (mean/max absolute difference), float32 and bfloat16.
 Peak RSS of the process is printed at the end. PTRAIN_CPU_KERNELS=0 runs the engine on
-XLA's attention instead of ptrain.kernels.cpu's decode kernel, for an A/B.
+XLA's attention and dots instead of ptrain.kernels.cpu's decode kernels (attention, and
+the projections on packed weights), for an A/B.
 """
 
 from __future__ import annotations
