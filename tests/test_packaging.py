@@ -56,7 +56,7 @@ def test_wheel_install_imports_kernels_and_composes_recipes(tmp_path):
     probe = (
         "import ptrain.kernels.moe, ptrain, os;"
         "assert ptrain.__file__.startswith(os.environ['SITE']), ptrain.__file__;"
-        "from ptrain.kernels import cpu; assert cpu.SOURCE.is_file(), cpu.SOURCE;"
+        "from ptrain.kernels import cpu; assert all(p.is_file() for p in cpu.SOURCES + cpu.HEADERS);"
         "from hydra import compose, initialize_config_module;"
         "from ptrain.config import register_configs, to_run_config; register_configs();"
         "ctx = initialize_config_module(config_module='ptrain.conf', version_base='1.3'); ctx.__enter__();"
