@@ -368,9 +368,9 @@ def pack_decode_weights(params: dict) -> dict:
         gate_up = cpu_kernels.pack_fused(p["gate"], p["up"])
         return {"gate": gate_up, "up": gate_up, "down": cpu_kernels.pack(p["down"])}
 
-    def walk(node):
+    def walk(node):  # pure dicts all the way down: a layer list is a dict keyed 0, 1, ...
         if not isinstance(node, dict):
-            return [walk(x) for x in node] if isinstance(node, list) else node
+            return node
         out = {}
         for key, value in node.items():
             if key == "attn":
