@@ -20,6 +20,33 @@ import os as _os
 
 __version__ = "0.1.0"
 
+# The Python API (ptrain/api.py, ptrain/client.py), imported on first use so that
+# `python -m ptrain` can set process-wide options before JAX or Hydra load.
+_API = {
+    "ConfigError": "ptrain.config.run",
+    "RunConfig": "ptrain.config.run",
+    "compose": "ptrain.api",
+    "run": "ptrain.api",
+    "sft": "ptrain.api",
+    "dpo": "ptrain.api",
+    "grpo": "ptrain.api",
+    "evaluate": "ptrain.api",
+    "RunResult": "ptrain.pipeline",
+    "StageResult": "ptrain.pipeline",
+    "TrainingClient": "ptrain.client",
+    "Datum": "ptrain.client",
+    "AdamParams": "ptrain.client",
+}
+__all__ = sorted(_API)
+
+
+def __getattr__(name: str):
+    if name in _API:
+        import importlib
+
+        return getattr(importlib.import_module(_API[name]), name)
+    raise AttributeError(f"module 'ptrain' has no attribute {name!r}")
+
 
 def _source_tree_path() -> None:
     """Let `ptrain.kernels` and `ptrain.conf` import from a source checkout.

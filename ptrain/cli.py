@@ -1,4 +1,6 @@
-"""Hydra entry point: compose conf/ + recipes/, validate into a RunConfig, run the pipeline.
+"""Hydra entry point: compose conf/ + recipes/, validate into a RunConfig, run it with
+`ptrain.api.run` (the CLI is one thin user of the Python API; it adds sweeps, `--cfg job`,
+one-line errors and exit codes).
 
 Config mistakes (unknown keys, wrong types, impossible values, missing files) end the
 process within seconds with one message that names the key and what to pass, before
@@ -20,6 +22,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from ptrain.config import ConfigError, register_configs, to_run_config
+from ptrain.config.recipes import check_recipe, recipes_named
 from ptrain.config.run import check_list_overrides, shadowed_overrides
 from ptrain.runtime import tune_xla_cpu
 
@@ -66,13 +69,13 @@ def _run(cfg: DictConfig) -> dict:
     # Before any JAX backend starts; it adds nothing for MoE or bfloat16 models, which the
     # flag slows (ptrain/runtime.py, docs/performance.md).
     tune_xla_cpu(compute_dtype=run.model.dtype, moe=run.model.is_moe)
+    from ptrain.api import run as run_api
     from ptrain.checkpoint import CheckpointError  # jax imports only after the config is known good
     from ptrain.envs.sandbox import SandboxUnavailableError
-    from ptrain.pipeline import run_pipeline
     from ptrain.stages.common import StageStopped, TrainingDiverged
 
     try:
-        return run_pipeline(run)
+        return run_api(run).last.summary
     except (ConfigError, FileNotFoundError) as e:  # checks that need the devices or the files
         return _fail("config error", e, 2)
     except StageStopped as e:  # checkpointed and stopped: the rollout engine could not sample
@@ -93,6 +96,8 @@ def main() -> None:
     # message that shows neither the type nor the form to pass: say both first.
     try:
         check_list_overrides(sys.argv[1:])
+        for name in recipes_named(sys.argv[1:]):
+            check_recipe(name)  # Hydra's own message is its whole search path
     except ConfigError as e:
         _fail("config error", e, 2)
     _hydra_main()

@@ -12,14 +12,17 @@ unfinished one from its newest readable checkpoint.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+from dataclasses import dataclass, field
 
 from omegaconf import OmegaConf
 
 from ptrain.checkpoint import is_done, read_done
-from ptrain.config import ConfigError, RunConfig, stage_config
-from ptrain.stages import STAGES, stage_driver
+from ptrain.config import ConfigError, RunConfig, StageConfig, stage_config
+from ptrain.config.stage_kinds import STAGES
+from ptrain.stages import stage_driver
 
 log = logging.getLogger(__name__)
 
@@ -56,20 +59,86 @@ def _check_every_stage_fits(run: RunConfig) -> None:
             raise ConfigError(f"stage '{stage.name}': {e}") from None
 
 
-def run_pipeline(run: RunConfig) -> dict:
-    """Run every stage; return the last stage's summary (final metrics), for sweeps."""
+@dataclass
+class StageResult:
+    """One stage of a run, after it ran or was found finished."""
+
+    name: str
+    kind: str
+    done: bool
+    """DONE.json is there: the stage finished (now, or in an earlier launch)."""
+    export: str | None
+    """The stage's Hugging Face folder (export/), or None (eval stages write none)."""
+    metrics: dict[str, float]
+    """The stage's final metrics: the last value of every numeric key of metrics.jsonl
+    (`train/loss`, `eval/reward`, ...); DONE.json's values when the JSONL sink was off."""
+    metrics_path: str
+    """<run_dir>/stages/<name>/metrics.jsonl."""
+    summary: dict = field(default_factory=dict)
+    """DONE.json as the driver wrote it (export path, wall time, bad rows, ...)."""
+
+
+@dataclass
+class RunResult:
+    """A run's folder and its stages in recipe order."""
+
+    run_dir: str
+    stages: dict[str, StageResult]
+
+    @property
+    def last(self) -> StageResult:
+        """The last stage that ran or was found finished."""
+        return list(self.stages.values())[-1]
+
+
+def final_metrics(metrics_path: str) -> dict[str, float]:
+    """The last value of every numeric key in a metrics.jsonl (a torn last line is skipped)."""
+    out: dict[str, float] = {}
+    if not os.path.isfile(metrics_path):
+        return out
+    with open(metrics_path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            for k, v in record.items():
+                if k not in ("step", "time") and isinstance(v, int | float) and not isinstance(v, bool):
+                    out[k] = float(v)
+    return out
+
+
+def stage_result(run: RunConfig, stage: StageConfig) -> StageResult:
+    """What a stage's folder holds now."""
+    sdir = stage_dir(run, stage.name)
+    done = is_done(sdir)
+    summary = read_done(sdir) if done else {}
+    path = os.path.join(sdir, "metrics.jsonl")
+    metrics = final_metrics(path) or {
+        k: float(v) for k, v in summary.items() if isinstance(v, int | float) and not isinstance(v, bool)
+    }
+    export = os.path.join(sdir, "export")
+    has_export = STAGES[stage.kind].exports and os.path.isfile(os.path.join(export, "config.json"))
+    return StageResult(stage.name, stage.kind, done, export if has_export else None, metrics, path, summary)
+
+
+def run_stages(run: RunConfig, only: str | None = None) -> RunResult:
+    """Run every stage (or only the one named `only`) in order, skipping finished ones."""
     os.makedirs(run.run_dir, exist_ok=True)
     OmegaConf.save(OmegaConf.structured(run), os.path.join(run.run_dir, "config.yaml"))
     from ptrain.parallel import maybe_initialize_distributed
 
     maybe_initialize_distributed()
     _check_every_stage_fits(run)
-    summary: dict = {}
+    results: dict[str, StageResult] = {}
     for i, stage in enumerate(run.stages):
+        if only is not None and stage.name != only:
+            continue
         sdir = stage_dir(run, stage.name)
         if is_done(sdir):
-            summary = read_done(sdir)
+            read_done(sdir)  # a damaged marker is an error here, before anything else runs
             print(f"ptrain: stage '{stage.name}' already finished ({sdir}); skipping", flush=True)
+            results[stage.name] = stage_result(run, stage)
             continue
         cfg = stage_config(run, stage)
         init = initial_weights(run, i)
@@ -85,5 +154,15 @@ def run_pipeline(run: RunConfig) -> dict:
             f"{init or 'the embedded model'} -> {sdir}",
             flush=True,
         )
-        summary = stage_driver(stage.kind)(cfg, sdir, init)
-    return summary
+        stage_driver(stage.kind)(cfg, sdir, init)
+        results[stage.name] = stage_result(run, stage)
+    if only is not None and not results:
+        raise ConfigError(
+            f"config key 'stages': the run has no stage named '{only}'; it has {[s.name for s in run.stages]}"
+        )
+    return RunResult(run.run_dir, results)
+
+
+def run_pipeline(run: RunConfig) -> dict:
+    """Run every stage; return the last stage's summary (final metrics), for sweeps."""
+    return run_stages(run).last.summary

@@ -8,9 +8,9 @@ schedule) is added here once, next to the code that implements it.
 
 from __future__ import annotations
 
-from ptrain.stages import STAGES
+from ptrain.config.stage_kinds import STAGES
 
-# --- stages: the registry in ptrain/stages/__init__.py is the table; this is its key list
+# --- stages: ptrain/config/stage_kinds.py is the table (ptrain.stages maps it to drivers)
 STAGE_KINDS: tuple[str, ...] = tuple(STAGES)
 """Stage kinds with a driver (stages[i].kind)."""
 STAGE_INITS = ("previous", "base")

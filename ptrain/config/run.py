@@ -21,6 +21,7 @@ from ptrain.config.grpo import CostConfig, RolloutConfig, validate_eval, validat
 from ptrain.config.model import ModelConfig
 from ptrain.config.sandbox import SandboxConfig
 from ptrain.config.seeds import DEFAULT_SEED, resolve_seeds
+from ptrain.config.stage_kinds import STAGES
 from ptrain.config.train import (
     AlgoConfig,
     CheckpointConfig,
@@ -30,7 +31,6 @@ from ptrain.config.train import (
     StageConfig,
     TrainConfig,
 )
-from ptrain.stages import STAGES
 
 
 class ConfigError(ValueError):
@@ -106,7 +106,7 @@ def to_run_config(cfg: DictConfig | dict) -> RunConfig:
         merged = OmegaConf.merge(OmegaConf.structured(RunConfig), cfg)
         run: RunConfig = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
-        raise ConfigError(_explain_omegaconf_error(e)) from None
+        raise ConfigError(explain_omegaconf_error(e)) from None
     _check(run.seed >= 0, "seed", f"must be >= 0, got {run.seed}")
     try:
         run.sandbox.validate()
@@ -126,7 +126,7 @@ def stage_config(run: RunConfig, stage: StageConfig) -> RunConfig:
         out: RunConfig = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise ConfigError(
-            f"in stage '{stage.name}': " + _explain_omegaconf_error(e, prefix=f"stages.{stage.name}.")
+            f"in stage '{stage.name}': " + explain_omegaconf_error(e, prefix=f"stages.{stage.name}.")
         ) from None
     out.stages = [stage]
     resolve_seeds(out)  # a stage that sets a component seed back to null gets the derived one
@@ -293,7 +293,7 @@ def _without_none(tp: Any) -> Any:
     return tp
 
 
-def _explain_omegaconf_error(e: OmegaConfBaseException, prefix: str = "") -> str:
+def explain_omegaconf_error(e: OmegaConfBaseException, prefix: str = "") -> str:
     key = getattr(e, "full_key", None) or ""
     msg = str(e).splitlines()[0]
     node_type = getattr(e, "object_type", None)

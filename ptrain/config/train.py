@@ -197,7 +197,7 @@ class StageConfig:
     name: str = "sft"
     """Unique stage name; its files live in <run_dir>/stages/<name>/."""
     kind: str = "sft"
-    """Which driver runs it: a kind of the registry ptrain.stages.STAGES (sft | dpo | grpo | eval)."""
+    """Which driver runs it: a kind of ptrain.config.stage_kinds.STAGES (sft | dpo | grpo | eval)."""
     init: str = "previous"
     """Starting weights: previous (the preceding stage's export; the base model for the
     first stage) | base (the model group's weights) | a local Hugging Face folder path."""

@@ -6,7 +6,8 @@ from hydra import compose, initialize_config_module
 
 from ptrain.config import STAGE_KINDS, ConfigError, ModelConfig, OptimConfig, register_configs, to_run_config
 from ptrain.config import choices as C
-from ptrain.stages import STAGES, stage_driver
+from ptrain.config.stage_kinds import STAGES
+from ptrain.stages import DRIVERS, stage_driver
 
 register_configs()
 
@@ -73,7 +74,7 @@ def test_every_preference_kind_the_config_accepts_is_a_loss():
 
 
 def test_stage_kinds_come_from_the_registry_and_every_driver_imports():
-    assert STAGE_KINDS == tuple(STAGES)
+    assert STAGE_KINDS == tuple(STAGES) == tuple(DRIVERS)
     for kind in STAGE_KINDS:
         assert callable(stage_driver(kind))
     with pytest.raises(ValueError, match="unknown stage kind 'ppo'"):
