@@ -158,7 +158,10 @@ def _with_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
     from omegaconf.errors import OmegaConfBaseException
 
     check_list_overrides(overrides)
-    bad = [o for o in overrides if "=" not in o or o.startswith(("+", "~")) or "/" in o.split("=", 1)[0]]
+    from ptrain.config.run import GROUPS
+
+    bad = [o for o in overrides if "=" not in o or o.startswith(("+", "~")) or o.split("=", 1)[0] in GROUPS
+           or "/" in o.split("=", 1)[0]]  # fmt: skip
     if bad:
         raise ConfigError(
             f"overrides {bad} cannot apply to a composed RunConfig: pass key=value (config groups such as "

@@ -74,7 +74,7 @@ class RunConfig:
     """Set by the `recipe` group (its files hold only overrides); unused at run time."""
 
 
-_GROUPS = {
+GROUPS = {
     "model": ModelConfig,
     "data": DataConfig,
     "algo": AlgoConfig,
@@ -91,7 +91,7 @@ def register_configs() -> None:
     """Register the schemas: `base_config` for the root, `<group>/schema` for each group."""
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=RunConfig)
-    for group, node in _GROUPS.items():
+    for group, node in GROUPS.items():
         cs.store(group=group, name="schema", node=node)
 
 
