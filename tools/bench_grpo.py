@@ -255,11 +255,11 @@ def run_mode(args, mode: str) -> dict:
     from ptrain.envs.mixture import EnvMixture
     from ptrain.metrics import to_host
     from ptrain.parallel import batch_sharding
-    from ptrain.rollout.collector import RolloutCollector
     from ptrain.rollout.engines import make_engine
     from ptrain.rollout.protocol import SamplingParams
     from ptrain.stages.common import Algorithm, build_step, setup_stage, tokenizer_for
     from ptrain.stages.grpo import RolloutBatches, groups_ahead
+    from ptrain.stages.grpo.collector import RolloutCollector
     from ptrain.train.grpo import make_policy_objective, policy_denominator
 
     with tempfile.TemporaryDirectory() as run_dir:

@@ -13,7 +13,7 @@ Kinds defined in other modules register their options dataclass with the decorat
     class ToolUseOptions: ...
 
 and one import line at the bottom of this file makes them known (the kind itself is
-registered in ptrain/envs/registry.py, whose `ENV_KINDS` this validation checks against).
+built by ptrain/envs/registry.py; validation checks `kind` against this module's `KIND_OPTIONS`).
 
 Jax-free: config validation imports it before any device is touched.
 """
@@ -25,21 +25,18 @@ import math
 import os
 import types
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ptrain.config.choices import TASK_OPS
-
-
-class EnvConfigError(ValueError):
-    """An environment config value that cannot work; the message names the key and what to pass."""
+from ptrain.config.env_options import KIND_OPTIONS, MAX_TIMEOUT_S, EnvConfigError, register_options
 
 
 @dataclass
 class EnvConfig:
     kind: str = "arithmetic"
-    """Environment kind, one of ptrain.envs.registry.ENV_KINDS (arithmetic, countdown, math,
+    """Environment kind, one of KIND_OPTIONS (arithmetic, countdown, math,
     code, reasoning_gym, ...)."""
     name: str | None = None
     """Name in metrics, audit records and task ids; null: the kind. Two environments of one
@@ -78,28 +75,6 @@ class EnvConfig:
 
 # ----------------------------------------------------------------------------- per-kind options
 
-KIND_OPTIONS: dict[str, type] = {}
-"""Options dataclass of each kind (filled by `register_options`)."""
-
-
-def register_options(kind: str) -> Callable[[type], type]:
-    """Class decorator: `cls` is the options dataclass of environment kind `kind`."""
-
-    def add(cls: type) -> type:
-        if not dataclasses.is_dataclass(cls):
-            raise TypeError(f"options of env kind {kind!r}: {cls.__name__} must be a dataclass")
-        if kind in KIND_OPTIONS and KIND_OPTIONS[kind] is not cls:
-            raise ValueError(f"env kind {kind!r} already has options {KIND_OPTIONS[kind].__name__}")
-        KIND_OPTIONS[kind] = cls
-        return cls
-
-    return add
-
-
-MAX_TIMEOUT_S = 86400.0
-"""Longest timeout of any one step (a reward computation, a test, a tool call): a day. The
-waits behind them overflow somewhere past it (a worker's pipe polls whole milliseconds as a
-C int, about 24 days; setitimer past the platform's time_t)."""
 MAX_REWARD_WORKERS = 256
 """Upper bound of env.reward_workers: each is a worker process (sandboxed) or thread."""
 
@@ -463,14 +438,12 @@ def validate_env_config(cfg: EnvConfig) -> Any:
     Raises EnvConfigError naming `envs.<name>.<field>` or `envs.<name>.options.<key>` and what
     to pass (the valid kinds, the valid option keys, the allowed range).
     """
-    from ptrain.envs.registry import ENV_KINDS
-
     name = cfg.env_name
     where = f"envs.{name}"
     _check(
-        isinstance(cfg.kind, str) and cfg.kind in ENV_KINDS,
+        isinstance(cfg.kind, str) and cfg.kind in KIND_OPTIONS,
         f"{where}.kind",
-        f"unknown environment kind {cfg.kind!r}; valid kinds: {', '.join(ENV_KINDS)}",
+        f"unknown environment kind {cfg.kind!r}; valid kinds: {', '.join(KIND_OPTIONS)}",
     )
     _check(
         isinstance(name, str) and name.strip() == name and "/" not in name and name not in (".", "..", "all"),

@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ptrain.config.env import MAX_TIMEOUT_S, EnvConfigError, register_options
+from ptrain.config.env_options import MAX_TIMEOUT_S, EnvConfigError, register_options
 
 TOOL_NAMES = ("python", "bash", "calculator", "read_file", "write_file", "list_files", "search")
 """Tools a multi-turn kind may declare (ptrain/envs/tools.py builds them)."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from ptrain.config.env import EnvConfigError, register_options
+from ptrain.config.env_options import EnvConfigError, register_options
 
 BAD_ROW_POLICIES = ("fail", "skip")
 

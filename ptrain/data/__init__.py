@@ -2,7 +2,7 @@
 
 Modules (the file list is the architecture):
   tokenizer   the embedded byte-level BPE tokenizer with a ChatML template; loading local ones; stop ids
-  tasks       the embedded arithmetic task: worked solutions, preference pairs (verifier: ptrain.envs.arithmetic)
+  tasks       the embedded arithmetic task: worked solutions, preference pairs, and its verifier
   sources     random-access JSONL / Parquet / Arrow / in-memory row sources; a config's splits
   chat        row validation, chat-template tokenisation, assistant-only loss masks
   report      bad-row counting and the skip / fail policy

@@ -22,7 +22,7 @@ from ptrain.data.grain_ops import READ_OPTIONS, DataIterator, examples_dataset, 
 from ptrain.data.preference import preference_conversations
 from ptrain.data.report import BadRowReport
 from ptrain.data.sources import RowDecodeError, open_split
-from ptrain.envs.arithmetic import extract_answer
+from ptrain.data.tasks import extract_answer
 
 
 @dataclass

@@ -30,8 +30,9 @@ Preference records (DPO) pair the correct worked solution with a plausible wrong
     {"prompt": [{"role": "user", ...}], "chosen": [{"role": "assistant", ...}],
      "rejected": [{"role": "assistant", ...}], "task": {...}}
 
-The verifier that grades completions against `task` is the arithmetic environment's
-(ptrain.envs.arithmetic); this module only generates.
+The verifier lives here too, beside the format it reads: `check_answer` grades a
+completion's final `Answer: n` against the task metadata a row carries; evaluation,
+on-policy DPO pairs and the arithmetic environment (ptrain.envs.arithmetic_env) call it.
 """
 
 from __future__ import annotations
@@ -39,11 +40,32 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ptrain.envs.arithmetic import ANSWER_PREFIX, extract_answer
+ANSWER_PREFIX = "Answer:"
+"""What precedes the final answer in a worked solution."""
+_ANSWER_RE = re.compile(r"Answer:\s*(-?\d+)")
+
+
+def extract_answer(completion: str) -> str | None:
+    """The integer after the last `Answer:` in completion, normalised ('007' -> '7'); None if absent."""
+    found = _ANSWER_RE.findall(completion)
+    if not found:
+        return None
+    if len(found[-1]) > 4000:
+        # int() refuses strings past 4300 digits, and a completion can hold them; no task's
+        # answer is that long, so the text as it stands grades the same.
+        return found[-1]
+    return str(int(found[-1]))
+
+
+def check_answer(task: dict[str, Any], completion: str) -> bool:
+    """True when completion's final `Answer: n` equals the task's expected answer."""
+    got = extract_answer(completion)
+    return got is not None and got == str(int(task["answer"]))
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,3 @@
-from ptrain.envs.arithmetic import check_answer as check_answer
-from ptrain.envs.arithmetic import extract_answer as extract_answer
 from ptrain.envs.audit import AuditLog as AuditLog
 from ptrain.envs.audit import read_audit as read_audit
 from ptrain.envs.base import Environment as Environment

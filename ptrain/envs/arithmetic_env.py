@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ptrain.envs.arithmetic import check_answer, extract_answer
+from ptrain.data.tasks import check_answer, extract_answer
 from ptrain.envs.base import Task
 from ptrain.envs.single_turn import SingleTurnEnv
 

@@ -3,10 +3,11 @@
     env = make_env(EnvConfig(kind="countdown", n_train=512), tokenizer=tok)
     env = make_env(EnvConfig(kind="code"), tokenizer=tok, sandbox=Sandbox(cfg))
 
-`ENV_CLASSES` is the one table of kinds: 'module:Class', imported only when an environment
-of that kind is built, so config validation (which checks `envs.<name>.kind` against
-`ENV_KINDS`) never imports an environment's dependencies. A new kind is one module under
-ptrain/envs/, one options dataclass (ptrain/config/env.py) and one line here.
+`ENV_CLASSES` maps each kind to a function that imports its class, so that only an
+environment of that kind being built loads its dependencies. Config validation checks
+`envs.<name>.kind` against the kinds with options in ptrain/config/env.py and never imports
+this package. A new kind is one module under ptrain/envs/, one options dataclass
+(ptrain/config/env.py) and one entry here.
 
 An environment class is called as `cls(cfg, options, *, tokenizer, sandbox=None)`: its
 EnvConfig, the typed options `validate_env_config` built from `cfg.options`, the policy's
@@ -16,36 +17,90 @@ model-written code use (they build a default one when it is None).
 
 from __future__ import annotations
 
-import importlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ptrain.config.env import EnvConfig
     from ptrain.envs.base import Environment
 
-ENV_CLASSES: dict[str, str] = {
-    "arithmetic": "ptrain.envs.arithmetic_env:ArithmeticEnv",
-    "countdown": "ptrain.envs.countdown:CountdownEnv",
-    "math": "ptrain.envs.math:MathEnv",
-    "code": "ptrain.envs.code:CodeEnv",
-    "reasoning_gym": "ptrain.envs.reasoning_gym:ReasoningGymEnv",
-    "tool_use": "ptrain.envs.tool_use:ToolUseEnv",
-    "long_horizon": "ptrain.envs.long_horizon:LongHorizonEnv",
-    "terminal": "ptrain.envs.terminal:TerminalEnv",
-    "nemo_gym": "ptrain.envs.nemo_gym:NemoGymEnv",
+
+def _arithmetic() -> type:
+    from ptrain.envs.arithmetic_env import ArithmeticEnv
+
+    return ArithmeticEnv
+
+
+def _countdown() -> type:
+    from ptrain.envs.countdown import CountdownEnv
+
+    return CountdownEnv
+
+
+def _math() -> type:
+    from ptrain.envs.math import MathEnv
+
+    return MathEnv
+
+
+def _code() -> type:
+    from ptrain.envs.code import CodeEnv
+
+    return CodeEnv
+
+
+def _reasoning_gym() -> type:
+    from ptrain.envs.reasoning_gym import ReasoningGymEnv
+
+    return ReasoningGymEnv
+
+
+def _tool_use() -> type:
+    from ptrain.envs.tool_use import ToolUseEnv
+
+    return ToolUseEnv
+
+
+def _long_horizon() -> type:
+    from ptrain.envs.long_horizon import LongHorizonEnv
+
+    return LongHorizonEnv
+
+
+def _terminal() -> type:
+    from ptrain.envs.terminal import TerminalEnv
+
+    return TerminalEnv
+
+
+def _nemo_gym() -> type:
+    from ptrain.envs.nemo_gym import NemoGymEnv
+
+    return NemoGymEnv
+
+
+ENV_CLASSES: dict[str, Callable[[], type]] = {
+    "arithmetic": _arithmetic,
+    "countdown": _countdown,
+    "math": _math,
+    "code": _code,
+    "reasoning_gym": _reasoning_gym,
+    "tool_use": _tool_use,
+    "long_horizon": _long_horizon,
+    "terminal": _terminal,
+    "nemo_gym": _nemo_gym,
 }
-"""Environment kind -> 'module:Class' of its Environment."""
+"""Environment kind -> a function that imports and returns its Environment class. The
+kinds are those with an options dataclass in ptrain.config.env (a test keeps them equal)."""
 
 ENV_KINDS: tuple[str, ...] = tuple(ENV_CLASSES)
-"""The kinds `envs.<name>.kind` may name (jax-free: config validation reads it)."""
 
 
 def env_class(kind: str) -> type:
     """The Environment class of `kind`, imported on first use."""
     if kind not in ENV_CLASSES:
         raise ValueError(f"unknown environment kind {kind!r}; valid kinds: {', '.join(ENV_CLASSES)}")
-    module, _, name = ENV_CLASSES[kind].partition(":")
-    return getattr(importlib.import_module(module), name)
+    return ENV_CLASSES[kind]()
 
 
 def make_env(cfg: EnvConfig, *, tokenizer: Any, sandbox: Any = None) -> Environment:

@@ -12,8 +12,8 @@ import numpy as np
 from ptrain.config import RunConfig
 from ptrain.data.prompts import EvalPrompt
 from ptrain.data.sft import make_sft_iterator
+from ptrain.data.tasks import check_answer
 from ptrain.data.tokenizer import stop_token_ids
-from ptrain.envs.arithmetic import check_answer
 from ptrain.losses import sft_loss
 from ptrain.parallel import batch_sharding
 from ptrain.train.state import TrainState

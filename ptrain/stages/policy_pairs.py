@@ -34,8 +34,7 @@ from ptrain.data.preference import preference_conversations
 from ptrain.data.prompts import make_eval_prompts
 from ptrain.data.report import BadRowReport
 from ptrain.data.sources import open_split
-from ptrain.data.tasks import write_jsonl
-from ptrain.envs.arithmetic import check_answer
+from ptrain.data.tasks import check_answer, write_jsonl
 from ptrain.stages.evaluation import complete, eval_engine
 
 PAIRS_FILE = "policy_pairs.jsonl"

@@ -1,6 +1,6 @@
 """The policy-gradient objective of the GRPO family, as a pure function of params and a batch.
 
-The batch is `ptrain.data.rollouts.policy_batch`'s: one trajectory per row, the engine's
+The batch is `ptrain.stages.grpo.batch.policy_batch`'s: one trajectory per row, the engine's
 log-probs of the sampled tokens, one advantage per row. The objective recomputes the
 policy's log-probs of those tokens under softmax(logits / temperature) (the distribution
 the engine sampled from, before top-k / top-p truncation) and hands them to

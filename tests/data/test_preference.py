@@ -8,7 +8,7 @@ import pytest
 from ptrain.data import JsonlSource, make_preference_iterator, make_preference_pass, preference_examples
 from ptrain.data import report as R
 from ptrain.data.preference import tokenize_preference_rows
-from ptrain.envs.arithmetic import check_answer
+from ptrain.data.tasks import check_answer
 
 B, L = 4, 128
 SIDE_KEYS = ("input_ids", "target_ids", "loss_mask", "segment_ids", "positions")

@@ -3,7 +3,7 @@
 import numpy as np
 
 from ptrain.data import batch_prompts, make_eval_prompts, make_prompt_iterator
-from ptrain.envs.arithmetic import check_answer
+from ptrain.data.tasks import check_answer
 
 
 def test_eval_prompts_carry_answers_and_batch(tokenizer, make_cfg):

@@ -8,8 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ptrain.data import tasks
-from ptrain.data.tasks import Problem, worked_solution
-from ptrain.envs.arithmetic import check_answer, extract_answer
+from ptrain.data.tasks import Problem, check_answer, extract_answer, worked_solution
 
 
 def test_generation_is_deterministic_and_splits_are_disjoint():
@@ -110,7 +109,7 @@ def test_write_jsonl_if_changed_keeps_an_identical_file(tmp_path):
 
 
 def test_noise_gives_that_share_of_wrong_demonstrations_and_clean_held_out_rows():
-    from ptrain.envs.arithmetic import check_answer
+    from ptrain.data.tasks import check_answer
 
     train, held = tasks.generate_records(2000, 50, noise=0.25, seed=3)
     wrong = [r for r in train if not check_answer(r["task"], r["messages"][1]["content"])]

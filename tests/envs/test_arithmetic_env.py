@@ -55,7 +55,7 @@ def test_impossible_counts_name_the_env_keys(tok):
 def test_a_completion_past_the_int_digit_limit_scores_zero(tok):
     """`Answer: ` and 5000 digits made int() raise in the trainer's process: the rollout, and
     with it the RL stage, died with "Exceeds the limit (4300 digits)"."""
-    from ptrain.envs.arithmetic import check_answer, extract_answer
+    from ptrain.data.tasks import check_answer, extract_answer
 
     huge = "Answer: " + "9" * 5000
     assert extract_answer(huge) == "9" * 5000 and not check_answer({"answer": "9"}, huge)

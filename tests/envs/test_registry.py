@@ -156,7 +156,8 @@ def test_config_validation_imports_no_jax():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
 
 
-def test_registry_lists_module_class_targets():
-    for kind, target in ENV_CLASSES.items():
-        module, _, cls = target.partition(":")
-        assert module.startswith("ptrain.envs.") and cls, (kind, target)
+def test_registry_builds_exactly_the_kinds_the_config_validates():
+    assert list(ENV_CLASSES) == list(KIND_OPTIONS)
+    for kind, load in ENV_CLASSES.items():
+        cls = load()
+        assert cls.__module__.startswith("ptrain.envs."), (kind, cls)

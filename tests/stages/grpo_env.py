@@ -20,4 +20,4 @@ def use_letter_share_env() -> None:
     """Make the `arithmetic` kind build LetterShareEnv in this process (tests only)."""
     from ptrain.envs import registry
 
-    registry.ENV_CLASSES["arithmetic"] = "tests.stages.grpo_env:LetterShareEnv"
+    registry.ENV_CLASSES["arithmetic"] = lambda: LetterShareEnv

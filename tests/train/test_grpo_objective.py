@@ -9,9 +9,9 @@ import pytest
 
 from ptrain.config import OptimConfig
 from ptrain.config.grpo import GRPOAlgoConfig
-from ptrain.data.rollouts import policy_batch
 from ptrain.envs.base import Task, Trajectory
 from ptrain.losses.policy import policy_loss
+from ptrain.stages.grpo.batch import policy_batch
 from ptrain.train.grpo import make_policy_objective, policy_denominator, policy_logprobs
 from ptrain.train.optim import make_optimizer
 from ptrain.train.state import init_train_state, split_model

@@ -36,12 +36,12 @@ import numpy as np
 
 from ptrain.config import RunConfig
 from ptrain.config.grpo import staleness_bound
-from ptrain.data.rollouts import policy_batch
 from ptrain.losses.advantages import group_advantages
-from ptrain.rollout.collector import Group, RolloutCollector
 from ptrain.rollout.protocol import EngineUnavailable, SamplingParams
 from ptrain.stages.common import Algorithm, Stage, setup_stage, tokenizer_for, train_evaluate_export
 from ptrain.stages.env_eval import is_correct
+from ptrain.stages.grpo.batch import policy_batch
+from ptrain.stages.grpo.collector import Group, RolloutCollector
 from ptrain.train.grpo import finalize_policy_metrics, make_policy_objective, policy_denominator, policy_logprobs
 from ptrain.train.state import TrainState
 

@@ -1,6 +1,6 @@
 """The arithmetic verifier: the last `Answer: n` of a completion, graded against the task."""
 
-from ptrain.envs.arithmetic import check_answer, extract_answer
+from ptrain.data.tasks import check_answer, extract_answer
 
 
 def test_extract_answer_edge_cases():
