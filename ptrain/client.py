@@ -229,9 +229,11 @@ class TrainingClient:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"sample: n must be an integer >= 1, got {n!r}")
         sp = dataclasses.replace(sp, n=n)
-        prompts = [list(p) for p in prompts]
+        if isinstance(prompts, str) or not isinstance(prompts, Sequence):
+            raise ValueError("sample: pass a list of prompts, each a list of token ids")
         for i, p in enumerate(prompts):
             self._check_ids(p, f"prompt {i}")
+        prompts = [[int(t) for t in p] for p in prompts]
         engine = self._synced_engine()
         requests = [GenerateRequest(input_ids=tuple(p), sampling=sp) for p in prompts]
         return engine.generate_many(requests)
