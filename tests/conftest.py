@@ -12,6 +12,9 @@ _CACHE = os.environ.setdefault(
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# The decode paths take the CPU kernels without timing them against XLA first, so that a
+# test sees the same path on every machine (tests/kernels/test_cpu_choice.py times them).
+os.environ.setdefault("PTRAIN_CPU_KERNELS", "force")
 
 import jax  # noqa: E402
 

@@ -17,9 +17,11 @@ Parts (the 8-layer d512 Qwen3 of tools/bench_model.py, float32, 2 torch threads)
            token each; the prefix cache is flushed between runs).
   logprob  engine log-probs of sampled tokens against the trainer's forward on the same
            tokens (mean/max absolute difference), float32 and bfloat16.
-Peak RSS of the process is printed at the end. PTRAIN_CPU_KERNELS=0 runs the engine on
-XLA's attention and dots instead of ptrain.kernels.cpu's decode kernels (attention, and
-the projections on packed weights), for an A/B.
+Peak RSS of the process is printed at the end, and at the start which decode path each
+CPU kernel takes on this machine (ptrain.kernels.cpu.choose: timed against XLA's once).
+PTRAIN_CPU_KERNELS=0 runs the engine on XLA's attention and dots instead of the decode
+kernels (attention, and the projections on packed weights), PTRAIN_CPU_KERNELS=force on
+both kernels, for an A/B; PTRAIN_CPU_KERNEL_ISA=avx2 builds them for AVX2 only.
 """
 
 from __future__ import annotations
@@ -230,6 +232,12 @@ def main() -> None:
     gflops, gbs = matmul_rate(), memory_rate()
     print(f"{cpu.strip()}; jax {jax.__version__}; {jax.device_count()} device(s); matmul {gflops:.0f} GFLOP/s, "
           f"memory {gbs:.1f} GB/s; model {count_params(cfg) / 1e6:.1f}M params", flush=True)  # fmt: skip
+    from ptrain.kernels import cpu as cpu_kernels
+
+    # The decode path each kernel takes on this CPU (timed against XLA's once, then cached);
+    # the choose() call prints it.
+    if not (cpu_kernels.available() and cpu_kernels.choose()):
+        print("decode path: XLA (the CPU kernels are off or could not be built)", flush=True)
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     if "decode" in parts:
         bench_decode(cfg, model, args.rounds, gflops, gbs)

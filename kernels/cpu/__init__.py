@@ -19,6 +19,17 @@ by the source, the jaxlib headers and the CPU's feature flags, so a shared home 
 never hands one CPU another's binary. Without a compiler, or with PTRAIN_CPU_KERNELS=0,
 `available()` is False and callers keep their XLA path. A failed build is logged once with
 the compiler's message.
+
+A kernel that builds is not always faster: how it compares with XLA's own path depends on
+the CPU (its vector width, its memory). So on first use each kernel is timed against XLA's
+path at decode shapes (`choose`), and a caller takes the kernel only where it won
+(`use_decode_attention`, `packing_applies`). The choice is stored beside the library, so it
+is made once per CPU and build, and printed as one `ptrain: CPU decode kernels ...` line.
+PTRAIN_CPU_KERNELS=force takes both kernels without timing (for tests and benchmarks of
+the kernels themselves). The matmul kernel's register block is sized at compile time by the
+vector width: 16 rows on AVX-512 (16 accumulators of one register each), 6 rows on AVX2 and
+NEON, where 16 lanes span two registers. PTRAIN_CPU_KERNEL_ISA=avx2 builds the AVX2 variant
+on an AVX-512 machine (for testing it).
 """
 
 from __future__ import annotations
@@ -27,12 +38,14 @@ import ctypes
 import dataclasses
 import functools
 import hashlib
+import json
 import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import jax
@@ -44,7 +57,18 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = (HERE / "decode.cc", HERE / "matmul.cc")
 HEADERS = (HERE / "parallel.h",)
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-w")
+BASE_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-w")
+ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",)}
+"""PTRAIN_CPU_KERNEL_ISA: the vector instructions to build for (native: all the CPU has)."""
+
+
+def _flags() -> tuple[str, ...]:
+    isa = os.environ.get("PTRAIN_CPU_KERNEL_ISA", "native").strip().lower() or "native"
+    if isa not in ISA_FLAGS:
+        raise RuntimeError(f"PTRAIN_CPU_KERNEL_ISA={isa!r}: pass one of {', '.join(ISA_FLAGS)}")
+    return BASE_FLAGS + ISA_FLAGS[isa]
+
+
 TARGETS = ("ptrain_decode_attention", "ptrain_packed_matmul")
 MAX_GROUP = 64
 """Most query heads per kv head the attention kernel takes (decode.cc checks the same bound)."""
@@ -74,7 +98,7 @@ def library_path() -> Path:
     key = hashlib.sha256()
     for path in (*SOURCES, *HEADERS):
         key.update(path.read_bytes())
-    key.update(" ".join(FLAGS).encode())
+    key.update(" ".join(_flags()).encode())
     key.update(jax.ffi.include_dir().encode())
     key.update(jax.__version__.encode())
     key.update(_cpu_signature().encode())
@@ -92,7 +116,7 @@ def build(out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", tmp]
+    cmd = [cxx, *_flags(), f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", tmp]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
@@ -103,10 +127,18 @@ def build(out: Path) -> None:
             os.unlink(tmp)
 
 
+def _mode() -> str:
+    """PTRAIN_CPU_KERNELS: off (0/false/no/off), force, or auto (anything else: timed)."""
+    value = os.environ.get("PTRAIN_CPU_KERNELS", "1").strip().lower()
+    if value in ("0", "false", "no", "off"):
+        return "off"
+    return "force" if value == "force" else "auto"
+
+
 @functools.cache
 def available() -> bool:
     """True when the kernels are built (building them now if needed) and registered with XLA."""
-    if os.environ.get("PTRAIN_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+    if _mode() == "off":
         return False
     try:
         path = library_path()
@@ -173,6 +205,7 @@ def use_decode_attention(q_BxTxHxDh, k_cache, mask_BxTxS) -> bool:
         and q_BxTxHxDh.shape[2] // k_cache.shape[1] <= MAX_GROUP
         and jax.default_backend() == "cpu"
         and available()
+        and choose().attention
     )
 
 
@@ -262,4 +295,98 @@ def packing_applies(params) -> bool:
         and all(len(x.sharding.device_set) == 1 for x in leaves if isinstance(x, jax.Array))
         and jax.default_backend() == "cpu"
         and available()
+        and choose().matmul
     )
+
+
+# ------------------------------------------------------------------ kernel or XLA, per CPU
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelChoice:
+    """Which decode paths take the kernels on this CPU, and the timings behind it (ms)."""
+
+    attention: bool
+    matmul: bool
+    timings_ms: dict
+    """{"attention": {"kernel": t, "xla": t}, "matmul": {...}}; empty when forced."""
+    source: str
+    """measured (now), cached (read from the file beside the library) or forced."""
+
+    def describe(self) -> str:
+        parts = []
+        for name, label in (("attention", "attention"), ("matmul", "projections")):
+            use = getattr(self, name)
+            t = self.timings_ms.get(name)
+            times = f" {t['kernel']:.3f} ms vs XLA {t['xla']:.3f} ms" if t else ""
+            parts.append(f"{label}{times} -> {'kernel' if use else 'XLA'}")
+        return f"ptrain: CPU decode kernels ({self.source}): " + "; ".join(parts)
+
+
+def choice_path() -> Path:
+    return library_path().with_suffix(".choice.json")
+
+
+@functools.cache
+def choose() -> KernelChoice:
+    """Kernel or XLA for each decode path on this CPU (call only when `available()`): read
+    from the file beside the library, else timed now and stored there. Printed once."""
+    if _mode() == "force":
+        choice = KernelChoice(True, True, {}, "forced")
+    else:
+        path = choice_path()
+        try:
+            stored = json.loads(path.read_text())
+            choice = KernelChoice(bool(stored["attention"]), bool(stored["matmul"]), stored["timings_ms"], "cached")
+        except (OSError, ValueError, KeyError, TypeError):
+            timings = measure()
+            choice = KernelChoice(
+                attention=timings["attention"]["kernel"] < timings["attention"]["xla"],
+                matmul=timings["matmul"]["kernel"] < timings["matmul"]["xla"],
+                timings_ms=timings,
+                source="measured",
+            )
+            fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
+            with os.fdopen(fd, "w") as f:
+                json.dump({"attention": choice.attention, "matmul": choice.matmul, "timings_ms": timings}, f)
+            os.replace(tmp, path)
+    print(choice.describe(), flush=True)
+    return choice
+
+
+def measure(rounds: int = 5, reps: int = 8) -> dict:
+    """Median time (ms) of each kernel and of XLA's path for the same work, at shapes of a
+    decode step (16 rows; a 1024-wide model's fused projections; 512 cached slots, 256 of
+    them visible), interleaved in rounds so that a noisy neighbour hits both alike."""
+    with jax.ensure_compile_time_eval():  # concrete work even when first asked inside a trace
+        rng = np.random.default_rng(0)
+        x = jnp.asarray(rng.standard_normal((16, 1024)), jnp.float32)
+        ws = [jnp.asarray(rng.standard_normal((1024, n)) * 0.02, jnp.float32) for n in (3072, 1024)]
+        packed = [pack(w) for w in ws]
+        mm_kernel = jax.jit(lambda x, a, b: packed_dense(packed_dense(x, a)[:, :1024], b))
+        mm_xla = jax.jit(lambda x, a, b: (x @ a)[:, :1024] @ b)
+        B, H, K, S, Dh = 16, 16, 4, 512, 64
+        q = jnp.asarray(rng.standard_normal((B, H, Dh)), jnp.float32)
+        kc = jnp.asarray(rng.standard_normal((B, K, S, Dh)), jnp.float32)
+        vc = jnp.asarray(rng.standard_normal((B, K, S, Dh)), jnp.float32)
+        mask = jnp.asarray(np.arange(S)[None, :] < 256).repeat(B, axis=0)
+        at_kernel = jax.jit(decode_attention)
+        at_xla = jax.jit(decode_attention_reference)
+        cases = {
+            "matmul": {"kernel": (mm_kernel, (x, *packed)), "xla": (mm_xla, (x, *ws))},
+            "attention": {"kernel": (at_kernel, (q, kc, vc, mask)), "xla": (at_xla, (q, kc, vc, mask))},
+        }
+        samples: dict = {name: {path: [] for path in paths} for name, paths in cases.items()}
+        for paths in cases.values():
+            for fn, args in paths.values():
+                jax.block_until_ready(fn(*args))  # compile and warm
+        for _ in range(rounds):
+            for name, paths in cases.items():
+                for path, (fn, args) in paths.items():
+                    for _ in range(reps):
+                        t0 = time.perf_counter()
+                        jax.block_until_ready(fn(*args))
+                        samples[name][path].append(time.perf_counter() - t0)
+    return {
+        name: {p: round(float(np.median(ts)) * 1e3, 4) for p, ts in paths.items()} for name, paths in samples.items()
+    }

@@ -19,11 +19,15 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using ptrain_cpu::kLanes;
 using ptrain_cpu::load16;
+using ptrain_cpu::loadN;
 using ptrain_cpu::parallel_for;
 using ptrain_cpu::store16;
+using ptrain_cpu::storeN;
 using ptrain_cpu::v16;
 using ptrain_cpu::v16i;
+using ptrain_cpu::vN;
 
 inline float sum16(v16 v) {  // a shuffle tree, not 15 scalar extracts
   v16 t = v + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
@@ -54,13 +58,31 @@ inline v16 exp16(v16 x) {
   return tiny ? 0.f : p * two_n;
 }
 
+// Sum of a native vector's lanes by a shuffle tree (not kLanes scalar extracts).
+inline float sumN(vN v) {
+#if defined(__AVX512F__)
+  return sum16(v);
+#elif defined(__AVX__)
+  vN t = v + __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  t += __builtin_shufflevector(t, t, 2, 3, 0, 1, 6, 7, 4, 5);
+  t += __builtin_shufflevector(t, t, 1, 0, 3, 2, 5, 4, 7, 6);
+  return t[0];
+#else
+  vN t = v + __builtin_shufflevector(v, v, 2, 3, 0, 1);
+  t += __builtin_shufflevector(t, t, 1, 0, 3, 2);
+  return t[0];
+#endif
+}
+
+// The hot loops below (a score per visible key, a value row per visible slot) work in the
+// target's native vectors, which GCC keeps in registers on AVX-512, AVX2 and NEON alike.
 inline float dot(const float* a, const float* b, int64_t n) {
   int64_t d = 0;
   float acc = 0.f;
-  if (n >= 16) {
-    v16 va = load16(a) * load16(b);
-    for (d = 16; d + 16 <= n; d += 16) va += load16(a + d) * load16(b + d);
-    acc = sum16(va);
+  if (n >= kLanes) {
+    vN va = loadN(a) * loadN(b);
+    for (d = kLanes; d + kLanes <= n; d += kLanes) va += loadN(a + d) * loadN(b + d);
+    acc = sumN(va);
   }
   for (; d < n; ++d) acc += a[d] * b[d];
   return acc;
@@ -68,7 +90,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
 
 inline void axpy(float p, const float* x, float* y, int64_t n) {  // y += p * x
   int64_t d = 0;
-  for (; d + 16 <= n; d += 16) store16(y + d, load16(y + d) + p * load16(x + d));
+  for (; d + kLanes <= n; d += kLanes) storeN(y + d, loadN(y + d) + p * loadN(x + d));
   for (; d < n; ++d) y[d] += p * x[d];
 }
 

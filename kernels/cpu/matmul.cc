@@ -6,7 +6,7 @@
 // about half of one core's read bandwidth (docs/performance.md, issue 15). Here the weight
 // is laid out as panels [ceil(N / 16), K, 16] (`pack` in __init__.py, once per weight
 // version), so a thread reads its range of panels as one sequential stream, prefetched
-// 8 KiB ahead, into a register block of up to 16 rows x 16 columns.
+// 8 KiB ahead, into a register block of up to kRows rows x 16 columns.
 
 #include <algorithm>
 #include <array>
@@ -21,26 +21,40 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using ptrain_cpu::load16;
+using ptrain_cpu::kLanes;
+using ptrain_cpu::kVecs;
+using ptrain_cpu::loadN;
 using ptrain_cpu::parallel_for;
-using ptrain_cpu::store16;
-using ptrain_cpu::v16;
+using ptrain_cpu::storeN;
+using ptrain_cpu::vN;
 
-constexpr int64_t kRows = 16;     // rows per register block: 16 accumulators of 16 lanes
+// Rows per register block, by the vector width the compiler targets: a block keeps a row's
+// 16 columns of accumulators (kVecs registers) for each of its rows, plus the weight's 16
+// columns, in registers. AVX-512 has 32 registers of 16 floats: 16 rows take 17. AVX2 has
+// 16 of 8 floats: 6 rows take 14. NEON has 32 of 4 floats: 6 rows take 28.
+#if defined(__AVX512F__)
+constexpr int64_t kRows = 16;
+#else
+constexpr int64_t kRows = 6;
+#endif
 constexpr int64_t kAhead = 2048;  // floats prefetched ahead of the panel being read (8 KiB)
 
 // out[r, 0:16] = sum over k < K of xT[k, r] * panel[k, 0:16], for r < R. xT holds a row
-// block transposed (16 floats per k), so the R broadcasts of a step share one line.
+// block transposed (kRows floats per k), so the R broadcasts of a step share one line.
 template <int R>
 void panel_block(const float* panel, const float* xT, int64_t K, float* out, int64_t ldo, bool prefetch) {
-  v16 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = v16{};
+  vN acc[R][kVecs];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kVecs; ++j) acc[r][j] = vN{};
   for (int64_t k = 0; k < K; ++k, panel += 16, xT += kRows) {
     if (prefetch) __builtin_prefetch(panel + kAhead, 0, 3);
-    const v16 wv = load16(panel);
-    for (int r = 0; r < R; ++r) acc[r] += xT[r] * wv;
+    vN wv[kVecs];
+    for (int j = 0; j < kVecs; ++j) wv[j] = loadN(panel + j * kLanes);
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < kVecs; ++j) acc[r][j] += xT[r] * wv[j];
   }
-  for (int r = 0; r < R; ++r) store16(out + r * ldo, acc[r]);
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kVecs; ++j) storeN(out + r * ldo + j * kLanes, acc[r][j]);
 }
 
 using PanelFn = void (*)(const float*, const float*, int64_t, float*, int64_t, bool);
@@ -66,7 +80,7 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   float* op = out->typed_data();
   if (M == 0 || N == 0) return ffi::Error::Success();
 
-  // x in row blocks of 16, transposed: xT[b][k][r] = x[16 b + r, k], zeros past M.
+  // x in row blocks of kRows, transposed: xT[b][k][r] = x[kRows b + r, k], zeros past M.
   const int64_t row_blocks = (M + kRows - 1) / kRows;
   std::vector<float> xT(row_blocks * K * kRows, 0.f);
   for (int64_t m = 0; m < M; ++m) {

@@ -54,4 +54,25 @@ inline v16 load16(const float* p) {
 
 inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
 
+// The widest float vector the target keeps in one register: GCC lowers a 16-lane vector
+// on AVX2 or NEON through memory, so a kernel whose accumulators must stay in registers
+// works in these and takes 16 lanes as kVecs of them.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#elif defined(__AVX__)
+constexpr int kLanes = 8;
+#else
+constexpr int kLanes = 4;
+#endif
+constexpr int kVecs = 16 / kLanes;
+typedef float vN __attribute__((vector_size(4 * kLanes)));
+
+inline vN loadN(const float* p) {
+  vN v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void storeN(float* p, vN v) { std::memcpy(p, &v, sizeof(v)); }
+
 }  // namespace ptrain_cpu
