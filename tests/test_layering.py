@@ -5,7 +5,9 @@
 - between packages, counting lazy imports too, no cycle, and these never import upward:
     config   nothing of ptrain but itself (and no JAX)
     data     no envs, rollout or stages
-    rollout  no envs or stages (the collector that joins engines and environments is the RL stage's)
+    rollout  no envs, stages or serve (the collector that joins engines and environments is
+             the RL stage's; the HTTP server is a user of the engines)
+    stages   no serve, api, cli or client (their users)
     envs     no stages
 - composing and validating a config loads neither JAX nor a stage or environment module.
 """
@@ -19,7 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FORBIDDEN = {
     "ptrain.config": {"*"},
     "ptrain.data": {"ptrain.envs", "ptrain.rollout", "ptrain.stages"},
-    "ptrain.rollout": {"ptrain.envs", "ptrain.stages"},
+    "ptrain.rollout": {"ptrain.envs", "ptrain.stages", "ptrain.serve"},
+    "ptrain.stages": {"ptrain.serve", "ptrain.api", "ptrain.cli", "ptrain.client"},
     "ptrain.envs": {"ptrain.stages"},
     "ptrain.losses": {"ptrain.stages", "ptrain.train", "ptrain.models"},
     "ptrain.models": {"ptrain.stages", "ptrain.train", "ptrain.rollout", "ptrain.envs"},

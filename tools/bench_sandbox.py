@@ -9,7 +9,7 @@ a few asserts, copied into a fresh working folder, then `python test_solution.py
 unsandboxed run writes the same two files into a fresh temporary folder and runs the same
 interpreter there with the same environment, so the difference is the isolation alone.
 Latency: p50/p95 over sequential runs. Throughput: executions per second with --concurrency
-runs in flight (asyncio, no thread per run), pinned to --cores CPUs. Targets (issue 16):
+runs in flight (asyncio, no thread per run), pinned to --cores CPUs. Targets:
 sandboxed p50 at most 1.5x the unsandboxed p50, and at least 20 executions/s on 2 cores.
 `true` through each path is also timed, to show the fixed cost of the isolation itself.
 """

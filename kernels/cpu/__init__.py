@@ -8,7 +8,7 @@
 
 XLA:CPU runs single-token attention over a KV cache as many tiny batched matmuls, after
 copying the cache's used slots out, and each of the step's dense projections as a dot on
-one thread at half of one core's read bandwidth (docs/performance.md, issue 15).
+one thread at half of one core's read bandwidth (docs/performance.md, the rollout engine).
 `decode.cc` reads each visible key and value once, in place; `matmul.cc` multiplies a few
 rows by a weight held in panels (`PackedWeight`), reading it as sequential streams. Both
 split their work over XLA's intra-op threads.

@@ -2,7 +2,7 @@
 // XLA through the FFI.
 //
 // XLA:CPU runs single-token attention as dozens of tiny batched matmuls after copying the
-// cache's used slots out (docs/performance.md, issue 15). The kernel below reads each
+// cache's used slots out (docs/performance.md, the rollout engine). The kernel below reads each
 // visible key and value once, in place, and splits (row, kv head) pairs over XLA's
 // intra-op thread pool. ptrain/kernels/cpu/__init__.py builds it at first use with the host
 // compiler (-O3 -march=native), so the vector code is the CPU's own.

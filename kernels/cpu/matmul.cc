@@ -3,7 +3,7 @@
 //
 // With 16 rows each weight element is used 16 times, so a decode step's dense projections
 // are bound by reading the weights. XLA:CPU runs each such dot on one thread and reaches
-// about half of one core's read bandwidth (docs/performance.md, issue 15). Here the weight
+// about half of one core's read bandwidth (docs/performance.md, the rollout engine). Here the weight
 // is laid out as panels [ceil(N / 16), K, 16] (`pack` in __init__.py, once per weight
 // version), so a thread reads its range of panels as one sequential stream, prefetched
 // 8 KiB ahead, into a register block of up to kRows rows x 16 columns.

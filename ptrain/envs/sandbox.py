@@ -36,8 +36,8 @@ its own. So as root the backend runs privileged (no user namespace), and the com
 to a uid of its own from `host_uid_base + k` (one per concurrent run, held by a lock file),
 with no capabilities and no_new_privs.
 
-Facts about the build machine (measured while writing this module):
-  - Debian 12 container on Linux 6.18, 2 AMD EPYC cores; the session runs as uid 0 with
+Facts about the project's build machine that this design rests on:
+  - Debian 12 container on Linux 6.18, 2 AMD EPYC cores; processes run as uid 0 with
     every capability but CAP_SYS_RESOURCE; cgroup v1 controllers (pids, memory) plus an
     empty cgroup2 mount.
   - Unprivileged user namespaces are enabled (user.max_user_namespaces = 96363; the kernel

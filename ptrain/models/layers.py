@@ -174,7 +174,7 @@ def attend_cached(
     Per (row, kv head) the keys are one contiguous [S, Dh] block, so both products are
     batched matmuls over contiguous operands; with the cache stored [B, S, K, Dh] XLA:CPU
     strided through it, and the engine's decode ran 1.1-1.3x slower (docs/performance.md,
-    issue 15).
+    the rollout engine).
     """
     B, T, H, Dh = q_BxTxHxDh.shape
     K = k_BxKxSxDh.shape[1]

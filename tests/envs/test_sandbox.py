@@ -1,4 +1,4 @@
-"""The code sandbox against each attack of issue 16: contained, with the host unaffected.
+"""The code sandbox against each attack a model's code may try: contained, with the host unaffected.
 
 Every attack runs on each backend that isolates on this machine (bwrap, unshare). Each test
 checks the host side: the file outside scratch does not exist, the secret is not in the

@@ -17,9 +17,9 @@ from starlette.testclient import TestClient
 
 from ptrain.models.safetensors_io import SafetensorsFile, save_file
 from ptrain.rollout.local import LocalEngine
-from ptrain.rollout.openai_api import parse_tool_calls
 from ptrain.rollout.protocol import FinishReason, GenerateRequest, Sample, SamplingParams
-from ptrain.rollout.server import Detokenizer, cut_at_stop, held_back, load_tokenizer, make_app
+from ptrain.serve.openai_api import parse_tool_calls
+from ptrain.serve.server import Detokenizer, cut_at_stop, held_back, load_tokenizer, make_app
 from tests.rollout import sglang_schema as schema
 from tests.rollout.conftest import CONTEXT, MAX_RUNNING
 

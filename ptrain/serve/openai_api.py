@@ -37,7 +37,7 @@ from starlette.routing import Route
 
 from ptrain.rollout import sglang_wire as wire
 from ptrain.rollout.protocol import GenerateRequest, RequestError
-from ptrain.rollout.server import (
+from ptrain.serve.server import (
     Frontend,
     HTTPError,
     Job,

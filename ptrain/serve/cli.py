@@ -18,7 +18,7 @@ import logging
 import os
 import sys
 
-from ptrain.rollout.server import DEFAULT_MAX_REQUEST_BYTES, read_json_file
+from ptrain.serve.server import DEFAULT_MAX_REQUEST_BYTES, read_json_file
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -165,14 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     for name in ("absl", "jax._src.xla_bridge"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    from ptrain.rollout.server import serve
+    from ptrain.serve.server import serve
 
     try:
         return serve(args)
     except (FileNotFoundError, ValueError) as e:  # a model or tokenizer folder that does not load
         print(f"ptrain.serve: error: {e}", file=sys.stderr, flush=True)
         return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

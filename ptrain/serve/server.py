@@ -7,7 +7,7 @@ It speaks SGLang 0.5.23's native API (`shared/reference/sglang_api.md`): `/gener
 batch, n, log-prob triples, SSE streaming), `/health`, `/health_generate`, `/model_info`,
 `/server_info`, `/flush_cache`, `/v1/loads`, `/update_weights_from_disk`, `/pause_generation`,
 `/continue_generation`, `/abort_request`; and the OpenAI-compatible `/v1/models`,
-`/v1/completions`, `/v1/chat/completions` (`ptrain.rollout.openai_api`). The request and
+`/v1/completions`, `/v1/chat/completions` (`ptrain.serve.openai_api`). The request and
 response translation lives in `ptrain.rollout.sglang_wire`.
 
 Threads. The engine samples on its own thread; `submit` returns a concurrent Future and calls
@@ -874,7 +874,7 @@ async def abort_request(request: Request) -> Response:
 
 async def _request_error(request: Request, exc: Exception) -> Response:
     if request.url.path.startswith("/v1/") and request.url.path != "/v1/loads":
-        from ptrain.rollout.openai_api import openai_error
+        from ptrain.serve.openai_api import openai_error
 
         return openai_error(400, str(exc))
     return error_response(400, str(exc))
@@ -883,7 +883,7 @@ async def _request_error(request: Request, exc: Exception) -> Response:
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPError)
     if request.url.path.startswith("/v1/") and request.url.path != "/v1/loads":
-        from ptrain.rollout.openai_api import openai_error
+        from ptrain.serve.openai_api import openai_error
 
         return openai_error(exc.status, exc.message)
     return error_response(exc.status, exc.message)
@@ -902,7 +902,7 @@ def make_app(
     (model_path, tokenizer_path, hf_config, sampling_defaults, chat_template, tool_call_parser,
     max_request_bytes, health_timeout_s, server_args). warmup: answer /health 503 until one
     short request has run (the server's start-up)."""
-    from ptrain.rollout.openai_api import openai_routes
+    from ptrain.serve.openai_api import openai_routes
 
     front = Frontend(engine, tokenizer, served_model_name=served_model_name, **front_kw)
     routes = [
