@@ -9,6 +9,7 @@ from the top-level `seed`.
 from ptrain.config.choices import STAGE_KINDS
 from ptrain.config.data import DataConfig, GeneratedTaskConfig
 from ptrain.config.model import ModelConfig
+from ptrain.config.policy_loss import PolicyLossConfig
 from ptrain.config.run import ConfigError, RunConfig, register_configs, stage_config, to_run_config
 from ptrain.config.train import (
     AlgoConfig,
@@ -33,6 +34,7 @@ __all__ = [
     "MeshConfig",
     "ModelConfig",
     "OptimConfig",
+    "PolicyLossConfig",
     "RunConfig",
     "SFTAlgoConfig",
     "STAGE_KINDS",

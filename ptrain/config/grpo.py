@@ -1,9 +1,10 @@
 """Config of GRPO-family stages (`algo.grpo`), of the rollout engine (`rollout`) and of cost
 accounting (`cost`). Jax-free: the CLI validates these before importing jax.
 
-Every field is documented where declared. The loss options map one to one onto
-`ptrain.losses.policy_loss` (formulas and papers there); the named algorithms are presets
-of these fields (recipes/ and the table below):
+Every field is documented where declared. The loss options are PolicyLossConfig's
+(ptrain/config/policy_loss.py), which `algo.grpo` extends and `ptrain.losses.policy_loss`
+takes whole (formulas and papers there); the named algorithms are presets of these fields
+(recipes/ and the table below):
 
   GRPO      baseline mean, normalize_std, aggregation seq_mean_token_mean, kl_coef 0.04
   Dr. GRPO  baseline mean, normalize_std false, aggregation seq_mean_token_sum_norm, kl_coef 0
@@ -19,20 +20,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ptrain.config.choices import (
-    ADVANTAGE_BASELINES,
-    GRPO_MODES,
-    IS_CORRECTIONS,
-    IS_LEVELS,
-    KL_ESTIMATORS,
-    POLICY_AGGREGATIONS,
-    POLICY_OBJECTIVES,
-    RATIO_LEVELS,
-)
+from ptrain.config.choices import ADVANTAGE_BASELINES, GRPO_MODES
+from ptrain.config.policy_loss import PolicyLossConfig
 
 
 @dataclass
-class GRPOAlgoConfig:
+class GRPOAlgoConfig(PolicyLossConfig):
+    """An RL stage's options: the policy loss's (inherited: objective, clip_low, ... kl_coef,
+    is_correction, ...) and the rollouts, updates, advantages, data shaping, curriculum and
+    asynchrony around it."""
+
     # --- rollouts ---
     prompts_per_step: int = 8
     """Tasks (prompts) per optimizer step's rollout batch (> 0)."""
@@ -67,40 +64,10 @@ class GRPOAlgoConfig:
     """If set, trajectories with an invalid tool call get this advantage instead of the
     group-relative one (Nemotron 3 uses -5)."""
 
-    # --- loss (ptrain.losses.policy_loss) ---
-    objective: str = "ppo"
-    """ppo (clipped surrogate) | cispo (clipped stop-gradient IS weight)."""
-    clip_low: float = 0.2
-    """Lower ratio bound 1 - clip_low (>= 0)."""
-    clip_high: float | None = None
-    """Upper ratio bound 1 + clip_high; None: clip_low (DAPO's clip-higher: 0.28)."""
-    dual_clip: float | None = None
-    """Dual-clip bound c > 1 for negative advantages (ppo only; DAPO recipe: 10)."""
-    ratio_level: str = "token"
-    """token (PPO/GRPO) | sequence (GSPO)."""
-    aggregation: str = "token_mean"
-    """token_mean (DAPO) | seq_mean_token_mean (GRPO) | seq_mean_token_sum |
-    seq_mean_token_sum_norm (Dr. GRPO)."""
-    norm_constant: float | None = None
-    """Dr. GRPO's constant for seq_mean_token_sum_norm; None: the padded length (train.seq_len)."""
-    kl_coef: float = 0.0
-    """Weight of the KL penalty to the reference (>= 0). The reference (the stage's starting
-    weights) is kept only when this is > 0."""
-    kl_estimator: str = "k3"
-    """k1 | k2 | k3 (Schulman's estimators; GRPO uses k3)."""
-    entropy_coef: float = 0.0
-    """Entropy bonus weight (>= 0)."""
+    # --- loss: every field of PolicyLossConfig (ptrain/config/policy_loss.py), inherited ---
     is_correction: str | None = "tis"
     """Engine-vs-trainer importance weight exp(old - engine): null | tis (truncated) | mis
-    (masked, IcePop / Nemotron)."""
-    is_level: str = "token"
-    """token | sequence | geometric: where the weight is formed."""
-    is_low: float = 0.0
-    """mis: weights below this are masked (0 <= is_low < is_high)."""
-    is_high: float = 2.0
-    """tis: weights are capped here; mis: weights above it are masked."""
-    max_seq_mult_prob_error: float | None = None
-    """Drop sequences whose mean exp(|old - engine|) exceeds this (>= 1; Nemotron uses 2)."""
+    (masked, IcePop / Nemotron). An RL stage corrects by default (the loss alone does not)."""
 
     # --- DAPO's data shaping ---
     dynamic_sampling: bool = False
@@ -288,31 +255,10 @@ def validate_grpo(cfg: GRPOAlgoConfig, check) -> None:
     rows = cfg.prompts_per_step * cfg.group_size
     c(rows % cfg.mini_batches == 0, "algo.grpo.mini_batches",
       f"{cfg.mini_batches} does not divide the {rows} samples of a step (prompts_per_step x group_size)")  # fmt: skip
-    for key, value, allowed in (
-        ("baseline", cfg.baseline, ADVANTAGE_BASELINES),
-        ("objective", cfg.objective, POLICY_OBJECTIVES),
-        ("ratio_level", cfg.ratio_level, RATIO_LEVELS),
-        ("aggregation", cfg.aggregation, POLICY_AGGREGATIONS),
-        ("kl_estimator", cfg.kl_estimator, KL_ESTIMATORS),
-        ("is_correction", cfg.is_correction, IS_CORRECTIONS),
-        ("is_level", cfg.is_level, IS_LEVELS),
-        ("mode", cfg.mode, GRPO_MODES),
-    ):
+    for key, value, allowed in (("baseline", cfg.baseline, ADVANTAGE_BASELINES), ("mode", cfg.mode, GRPO_MODES)):
         c(value in allowed, f"algo.grpo.{key}", f"unknown value {value!r}; pass one of {', '.join(map(str, allowed))}")
-    c(cfg.clip_low >= 0, "algo.grpo.clip_low", f"must be >= 0, got {cfg.clip_low}")
-    c(cfg.clip_high is None or cfg.clip_high >= 0, "algo.grpo.clip_high", f"must be null or >= 0, got {cfg.clip_high}")
-    c(cfg.dual_clip is None or (cfg.dual_clip > 1 and cfg.objective == "ppo"), "algo.grpo.dual_clip",
-      f"must be null or > 1 with objective ppo, got {cfg.dual_clip} ({cfg.objective})")  # fmt: skip
-    c(cfg.norm_constant is None or cfg.norm_constant > 0, "algo.grpo.norm_constant", "must be null or > 0")
-    c(cfg.norm_constant is None or cfg.aggregation == "seq_mean_token_sum_norm", "algo.grpo.norm_constant",
-      "is used by aggregation seq_mean_token_sum_norm only; set it to null")  # fmt: skip
-    c(cfg.kl_coef >= 0, "algo.grpo.kl_coef", f"must be >= 0, got {cfg.kl_coef}")
-    c(cfg.entropy_coef >= 0, "algo.grpo.entropy_coef", f"must be >= 0, got {cfg.entropy_coef}")
-    c(0 <= cfg.is_low < cfg.is_high, "algo.grpo.is_low", f"need 0 <= is_low < is_high, got {cfg.is_low}, {cfg.is_high}")
-    c(cfg.is_correction != "tis" or cfg.is_low == 0, "algo.grpo.is_low",
-      "is a masking bound of is_correction mis; tis only caps at is_high: set is_low=0")  # fmt: skip
-    c(cfg.max_seq_mult_prob_error is None or cfg.max_seq_mult_prob_error >= 1, "algo.grpo.max_seq_mult_prob_error",
-      f"must be null or >= 1, got {cfg.max_seq_mult_prob_error}")  # fmt: skip
+    for key, text in cfg.problems():  # the policy loss's own checks (PolicyLossConfig)
+        c(False, f"algo.grpo.{key}", text)
     c(cfg.max_sampling_rounds >= 1, "algo.grpo.max_sampling_rounds", f"must be >= 1, got {cfg.max_sampling_rounds}")
     c(0 <= cfg.overlong_buffer < cfg.max_new_tokens, "algo.grpo.overlong_buffer",
       f"must be in [0, max_new_tokens={cfg.max_new_tokens}), got {cfg.overlong_buffer}")  # fmt: skip
@@ -327,6 +273,6 @@ def validate_grpo(cfg: GRPOAlgoConfig, check) -> None:
       f"where every sample is on-policy; drop algo.grpo.max_staleness={cfg.max_staleness}, or pass "
       "algo.grpo.mode=async")  # fmt: skip
     # inf passes the bounds above but makes the sampling uniform or the loss inf/nan
-    for key in ("temperature", "kl_coef", "entropy_coef", "invalid_tool_call_advantage"):
+    for key in ("temperature", "invalid_tool_call_advantage"):
         value = getattr(cfg, key)
         c(value is None or math.isfinite(value), f"algo.grpo.{key}", f"must be a finite number, got {value}")

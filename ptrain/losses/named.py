@@ -33,6 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ptrain.config.policy_loss import PolicyLossConfig
 from ptrain.losses.policy import policy_loss
 
 NAMED_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
@@ -116,18 +117,14 @@ def named_loss(
         clip_low = clip_high = jnp.inf
     else:
         clip_low, clip_high = 1.0 - config["clip_low_threshold"], config["clip_high_threshold"] - 1.0
-    loss, aux = policy_loss(
-        logp,
-        q,
-        adv,
-        mask,
+    cfg = PolicyLossConfig(
         objective="cispo" if name == "cispo" else "ppo",
         clip_low=clip_low,
         clip_high=clip_high,
         ratio_level="sequence" if name == "gspo" else "token",
         aggregation="seq_mean_token_sum",
-        denominator=1.0,
     )
+    loss, aux = policy_loss(logp, q, adv, mask, cfg=cfg, denominator=1.0)
     metrics = {
         "loss:sum": loss,
         "tokens": aux.token_count,

@@ -55,9 +55,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ptrain.config.choices import IS_CORRECTIONS, IS_LEVELS, KL_ESTIMATORS, RATIO_LEVELS
-from ptrain.config.choices import POLICY_AGGREGATIONS as AGGREGATIONS
-from ptrain.config.choices import POLICY_OBJECTIVES as OBJECTIVES
+from ptrain.config.choices import KL_ESTIMATORS
+from ptrain.config.policy_loss import PolicyLossConfig
 from ptrain.losses.reduce import masked_max, masked_mean, safe_divide
 
 _LOG_RATIO_LIMIT = 20.0  # exp(20) ~ 5e8: beyond it a ratio is meaningless and only risks inf
@@ -119,29 +118,9 @@ def kl_penalty(logp_BxL: jax.Array, ref_logp_BxL: jax.Array, estimator: str = "k
     return jnp.expm1(x) - x
 
 
-def _check_policy_args(
-    logp,
-    mask,
-    advantages,
-    named,
-    *,
-    objective,
-    clip_low,
-    clip_high,
-    dual_clip,
-    ratio_level,
-    aggregation,
-    norm_constant,
-    denominator,
-    kl_coef,
-    kl_estimator,
-    entropy_coef,
-    is_correction,
-    is_level,
-    is_low,
-    is_high,
-    max_seq_mult_prob_error,
-):
+def _check_policy_args(logp, mask, advantages, named, cfg: PolicyLossConfig, denominator) -> None:
+    """The shapes of the inputs, the config's own checks (PolicyLossConfig.problems), and the
+    inputs each option needs."""
     if logp.ndim != 2:
         raise ValueError(f"logp must be [B, L] per-token log-probs, got shape {tuple(logp.shape)}.")
     if mask.shape != logp.shape:
@@ -154,52 +133,20 @@ def _check_policy_args(
             f"advantages must be per sequence [B] = [{logp.shape[0]}] or per token {tuple(logp.shape)}, "
             f"got {tuple(advantages.shape)}."
         )
-    choices = dict(
-        objective=(objective, OBJECTIVES),
-        ratio_level=(ratio_level, RATIO_LEVELS),
-        aggregation=(aggregation, AGGREGATIONS),
-        kl_estimator=(kl_estimator, KL_ESTIMATORS),
-        is_correction=(is_correction, IS_CORRECTIONS),
-        is_level=(is_level, IS_LEVELS),
-    )
-    for name, (value, allowed) in choices.items():
-        if value not in allowed:
-            raise ValueError(f"{name} must be one of {allowed}, got {value!r}.")
-    if not clip_low >= 0 or not clip_high >= 0:
-        raise ValueError(
-            f"clip_low and clip_high must be >= 0 (ratio kept in [1 - clip_low, 1 + clip_high]), "
-            f"got {clip_low!r}, {clip_high!r}."
-        )
-    if dual_clip is not None:
-        if objective != "ppo":
-            raise ValueError("dual_clip applies to objective='ppo' only; set it to None.")
-        if not dual_clip > 1.0:
-            raise ValueError(f"dual_clip must be > 1 (a bound on -A r for negative advantages), got {dual_clip!r}.")
-    for name, value in (("norm_constant", norm_constant), ("denominator", denominator)):
-        if isinstance(value, (int, float)) and not value > 0:
-            raise ValueError(f"{name} must be > 0 (it divides the loss), got {value!r}.")
-    if norm_constant is not None and aggregation != "seq_mean_token_sum_norm":
-        raise ValueError(f"norm_constant is only used by aggregation='seq_mean_token_sum_norm', not {aggregation!r}.")
-    if kl_coef < 0 or entropy_coef < 0:
-        raise ValueError(f"kl_coef and entropy_coef must be >= 0, got {kl_coef!r}, {entropy_coef!r}.")
-    if kl_coef > 0 and named["ref_logp"] is None:
+    problems = cfg.problems()
+    if problems:
+        raise ValueError(problems[0][1])
+    if isinstance(denominator, (int, float)) and not denominator > 0:
+        raise ValueError(f"denominator must be > 0 (it divides the loss), got {denominator!r}.")
+    if cfg.kl_coef > 0 and named["ref_logp"] is None:
         raise ValueError("kl_coef > 0 needs ref_logp (reference-model log-probs of the sampled tokens).")
-    if entropy_coef > 0 and named["entropy"] is None:
+    if cfg.entropy_coef > 0 and named["entropy"] is None:
         raise ValueError("entropy_coef > 0 needs entropy (per-token entropy, e.g. from vocab_stats(...).entropy).")
-    if (is_correction is not None or max_seq_mult_prob_error is not None) and named["engine_logp"] is None:
+    if (cfg.is_correction is not None or cfg.max_seq_mult_prob_error is not None) and named["engine_logp"] is None:
         raise ValueError(
             "is_correction / max_seq_mult_prob_error compare the engine to the trainer: pass engine_logp "
             "(the rollout engine's per-token log-probs)."
         )
-    if is_correction is not None and not 0.0 <= is_low < is_high:
-        raise ValueError(f"need 0 <= is_low < is_high for the importance weights, got {is_low!r}, {is_high!r}.")
-    if is_correction == "tis" and is_low != 0.0:
-        raise ValueError(
-            "is_low is a masking bound used by is_correction='mis'; truncated IS ('tis') only caps at "
-            "is_high. Set is_low=0 or use 'mis'."
-        )
-    if max_seq_mult_prob_error is not None and not max_seq_mult_prob_error >= 1.0:
-        raise ValueError(f"max_seq_mult_prob_error bounds mean exp(|old - eng|) >= 1; got {max_seq_mult_prob_error!r}.")
 
 
 def _per_sequence(x_BxL, mask_BxL, how: str):
@@ -266,26 +213,12 @@ def policy_loss(
     advantages: jax.Array,
     mask: jax.Array,
     *,
-    objective: str = "ppo",
-    clip_low: float = 0.2,
-    clip_high: float | None = None,
-    dual_clip: float | None = None,
-    ratio_level: str = "token",
-    aggregation: str = "token_mean",
-    norm_constant: float | None = None,
+    cfg: PolicyLossConfig | None = None,
     denominator: float | jax.Array | None = None,
     ref_logp: jax.Array | None = None,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
-    kl_clamp: float | None = None,
     entropy: jax.Array | None = None,
-    entropy_coef: float = 0.0,
     engine_logp: jax.Array | None = None,
-    is_correction: str | None = None,
-    is_level: str = "token",
-    is_low: float = 0.0,
-    is_high: float = 2.0,
-    max_seq_mult_prob_error: float | None = None,
+    **options,
 ) -> tuple[jax.Array, PolicyAux]:
     """Clipped policy-gradient loss with named options (formulas and papers in the module docstring).
 
@@ -295,52 +228,41 @@ def policy_loss(
         update (then old = stop_gradient(logp) and r = 1 with gradient grad log pi).
       advantages: `[B]` per sequence or `[B, L]` per token.
       mask: `[B, L]` 1.0 on response tokens that count.
-      objective: "ppo" (clipped surrogate) or "cispo" (clipped stop-gradient IS weight).
-      clip_low, clip_high: ratio bounds 1 - clip_low and 1 + clip_high; clip_high defaults to
-        clip_low (DAPO: 0.2 / 0.28; GSPO: 3e-4 / 4e-4; CISPO: clip_low >= 1, clip_high tuned).
-      dual_clip: c > 1 bounds the loss of negative-advantage tokens at -A c (ppo only).
-      ratio_level: "token" or "sequence" (GSPO).
-      aggregation: one of `AGGREGATIONS`.
-      norm_constant: Dr. GRPO's constant C for seq_mean_token_sum_norm (default L).
+      cfg: the options as one group (`ptrain.config.PolicyLossConfig`, or an `algo.grpo`
+        config, which extends it): objective, clip_low / clip_high (ratio bounds 1 - clip_low,
+        1 + clip_high; clip_high None = clip_low), dual_clip, ratio_level, aggregation,
+        norm_constant, kl_coef / kl_estimator / kl_clamp, entropy_coef, is_correction /
+        is_level / is_low / is_high, max_seq_mult_prob_error. None: the defaults.
+      **options: fields of PolicyLossConfig that replace cfg's (`clip_low=0.28`).
       denominator: overrides the batch's own token count (token_mean) or sequence count (other
         modes) for exact aggregation across micro-batches.
-      ref_logp, kl_coef, kl_estimator: KL penalty kl_coef * k to the reference.
-      kl_clamp: if set, the per-token KL estimate is clipped to [-kl_clamp, kl_clamp] (verl: 10).
-      entropy, entropy_coef: per-token entropy `[B, L]` (differentiable) and bonus weight.
+      ref_logp: `[B, L]` reference log-probs (needed when kl_coef > 0).
+      entropy: per-token entropy `[B, L]` (differentiable; needed when entropy_coef > 0).
       engine_logp: `[B, L]` rollout-engine log-probs of the sampled tokens; enables mismatch
         metrics, `is_correction` and `max_seq_mult_prob_error`.
-      is_correction: None, "tis" or "mis"; is_level: "token", "sequence" or "geometric";
-        is_low, is_high: weight bounds (tis caps at is_high; mis keeps [is_low, is_high]).
-      max_seq_mult_prob_error: drop sequences whose mean exp(|old - eng|) exceeds it.
 
     Returns:
       (scalar float32 loss, PolicyAux).
     """
-    clip_high = clip_low if clip_high is None else clip_high
+    cfg = cfg if cfg is not None else PolicyLossConfig()
+    if options:
+        unknown = sorted(set(options) - {f.name for f in dataclasses.fields(PolicyLossConfig)})
+        if unknown:
+            raise ValueError(
+                f"unknown policy-loss option(s) {unknown}; the options are the fields of PolicyLossConfig: "
+                f"{[f.name for f in dataclasses.fields(PolicyLossConfig)]}"
+            )
+        cfg = dataclasses.replace(cfg, **options)
     advantages = jnp.asarray(advantages)
     named = dict(old_logp=old_logp, ref_logp=ref_logp, entropy=entropy, engine_logp=engine_logp)
-    _check_policy_args(
-        logp,
-        mask,
-        advantages,
-        named,
-        objective=objective,
-        clip_low=clip_low,
-        clip_high=clip_high,
-        dual_clip=dual_clip,
-        ratio_level=ratio_level,
-        aggregation=aggregation,
-        norm_constant=norm_constant,
-        denominator=denominator,
-        kl_coef=kl_coef,
-        kl_estimator=kl_estimator,
-        entropy_coef=entropy_coef,
-        is_correction=is_correction,
-        is_level=is_level,
-        is_low=is_low,
-        is_high=is_high,
-        max_seq_mult_prob_error=max_seq_mult_prob_error,
-    )
+    _check_policy_args(logp, mask, advantages, named, cfg, denominator)
+    objective, ratio_level, aggregation = cfg.objective, cfg.ratio_level, cfg.aggregation
+    clip_low = cfg.clip_low
+    clip_high = clip_low if cfg.clip_high is None else cfg.clip_high
+    dual_clip, norm_constant = cfg.dual_clip, cfg.norm_constant
+    kl_coef, kl_estimator, kl_clamp, entropy_coef = cfg.kl_coef, cfg.kl_estimator, cfg.kl_clamp, cfg.entropy_coef
+    is_correction, is_level, is_low, is_high = cfg.is_correction, cfg.is_level, cfg.is_low, cfg.is_high
+    max_seq_mult_prob_error = cfg.max_seq_mult_prob_error
     f32 = jnp.float32
     mask = mask.astype(f32)
     # Padding may hold anything (-inf log-probs, NaN from an engine): zero it before any arithmetic, so

@@ -71,30 +71,14 @@ def policy_logprobs(model_def: ModelDef, params, model_state, batch: dict, *, te
 
 
 def make_policy_objective(model_def: ModelDef, cfg: Any, *, vocab_chunk: int = 0, aux_loss_coef: float = 0.0):
-    """GRPO / Dr. GRPO / DAPO / GSPO / CISPO objective (`cfg` is an `algo.grpo` config).
+    """GRPO / Dr. GRPO / DAPO / GSPO / CISPO objective (`cfg` is an `algo.grpo` config, which
+    the policy loss takes whole: its loss options are PolicyLossConfig's).
 
     With `cfg.kl_coef > 0` the reference's log-probs come from `state.ref_params` (a second
     forward pass without gradient). Metrics add up over micro-batches (see step.py); the
     stage's finalisation divides nothing further: token means arrive already weighted.
     """
     temperature = float(cfg.temperature) if cfg.temperature > 0 else 1.0
-    loss_kw = dict(
-        objective=cfg.objective,
-        clip_low=cfg.clip_low,
-        clip_high=cfg.clip_high,
-        dual_clip=cfg.dual_clip,
-        ratio_level=cfg.ratio_level,
-        aggregation=cfg.aggregation,
-        norm_constant=cfg.norm_constant,
-        kl_coef=cfg.kl_coef,
-        kl_estimator=cfg.kl_estimator,
-        entropy_coef=cfg.entropy_coef,
-        is_correction=cfg.is_correction,
-        is_level=cfg.is_level,
-        is_low=cfg.is_low,
-        is_high=cfg.is_high,
-        max_seq_mult_prob_error=cfg.max_seq_mult_prob_error,
-    )
 
     def objective(params, state: TrainState, batch: dict, denoms: dict[str, jax.Array]):
         stats, model_aux = _forward_stats(
@@ -114,7 +98,7 @@ def make_policy_objective(model_def: ModelDef, cfg: Any, *, vocab_chunk: int = 0
             ref_logp=ref,
             entropy=stats.entropy if cfg.entropy_coef > 0 else None,
             engine_logp=batch["engine_logp"],
-            **loss_kw,
+            cfg=cfg,
         )
         share = aux.token_count / denoms["tokens"]
         metrics = {k: getattr(aux, k) * share for k in _TOKEN_MEAN_METRICS}

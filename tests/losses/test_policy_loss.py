@@ -458,3 +458,36 @@ def test_matches_independent_numpy_reference(rollout, objective, ratio_level, ag
         is_correction=is_correction,
     )
     np.testing.assert_allclose(loss, want, rtol=2e-6)
+
+
+def test_the_options_travel_as_one_group(rollout):
+    """policy_loss takes PolicyLossConfig whole, or an algo.grpo config (which extends it), and
+    keyword options on top; each gives the loss of the same options spelled out."""
+    import dataclasses
+
+    from ptrain.config import PolicyLossConfig
+    from ptrain.config.grpo import GRPOAlgoConfig
+
+    r = rollout
+    args = (r["logp"], r["old"], r["adv"], r["mask"])
+    opts = dict(clip_low=0.1, clip_high=0.3, aggregation="seq_mean_token_mean", kl_coef=0.05)
+    want, _ = policy_loss(*args, ref_logp=r["ref"], **opts)
+    group, _ = policy_loss(*args, ref_logp=r["ref"], cfg=PolicyLossConfig(**opts))
+    grpo, _ = policy_loss(*args, ref_logp=r["ref"], engine_logp=r["engine"],
+                          cfg=GRPOAlgoConfig(**opts, is_correction=None))  # fmt: skip
+    override, _ = policy_loss(*args, ref_logp=r["ref"], cfg=PolicyLossConfig(clip_low=0.9), **opts)
+    for got in (group, grpo, override):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    loss_fields = {f.name for f in dataclasses.fields(PolicyLossConfig)}
+    assert loss_fields <= {f.name for f in dataclasses.fields(GRPOAlgoConfig)}
+    with pytest.raises(ValueError, match=r"unknown policy-loss option\(s\) \['clip'\]"):
+        policy_loss(*args, clip=0.2)
+
+
+def test_the_group_checks_itself_once_for_the_config_and_the_loss():
+    from ptrain.config import PolicyLossConfig
+
+    bad = PolicyLossConfig(kl_clamp=-1.0, aggregation="mean")
+    fields = [f for f, _ in bad.problems()]
+    assert fields == ["aggregation", "kl_clamp"]
+    assert PolicyLossConfig().problems() == []
