@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from ptrain.config.train import CheckpointConfig
+from ptrain.config.outputs import CheckpointConfig
 
 log = logging.getLogger(__name__)
 

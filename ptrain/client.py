@@ -40,8 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ptrain.config.mesh import MeshConfig
 from ptrain.config.model import ModelConfig
-from ptrain.config.train import MeshConfig, OptimConfig
+from ptrain.config.optim import OptimConfig
 from ptrain.losses.named import NAMED_LOSSES, OPTIONAL_INPUTS, REQUIRED_INPUTS, loss_config, named_loss
 
 INT_INPUTS = ("target_tokens",)

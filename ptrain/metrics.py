@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ptrain.config.train import LoggingConfig
+from ptrain.config.outputs import LoggingConfig
 
 
 def to_host(metrics: dict) -> dict[str, float]:

@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 
 from ptrain.checkpoint import is_done, read_done
 from ptrain.config import ConfigError, RunConfig, StageConfig, stage_config
-from ptrain.config.stage_kinds import STAGES
+from ptrain.config.stages import STAGES
 from ptrain.stages import stage_driver
 
 log = logging.getLogger(__name__)

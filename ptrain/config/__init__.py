@@ -6,22 +6,17 @@ checkpoint) is backed by one dataclass whose fields are documented where declare
 from the top-level `seed`.
 """
 
+from ptrain.config.algo import AlgoConfig, DPOAlgoConfig, SFTAlgoConfig
 from ptrain.config.choices import STAGE_KINDS
 from ptrain.config.data import DataConfig, GeneratedTaskConfig
+from ptrain.config.mesh import MeshConfig
 from ptrain.config.model import ModelConfig
+from ptrain.config.optim import OptimConfig
+from ptrain.config.outputs import CheckpointConfig, LoggingConfig
 from ptrain.config.policy_loss import PolicyLossConfig
 from ptrain.config.run import ConfigError, RunConfig, register_configs, stage_config, to_run_config
-from ptrain.config.train import (
-    AlgoConfig,
-    CheckpointConfig,
-    DPOAlgoConfig,
-    LoggingConfig,
-    MeshConfig,
-    OptimConfig,
-    SFTAlgoConfig,
-    StageConfig,
-    TrainConfig,
-)
+from ptrain.config.stages import StageConfig
+from ptrain.config.train import TrainConfig
 
 __all__ = [
     "AlgoConfig",

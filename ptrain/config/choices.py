@@ -8,9 +8,9 @@ schedule) is added here once, next to the code that implements it.
 
 from __future__ import annotations
 
-from ptrain.config.stage_kinds import STAGES
+from ptrain.config.stages import STAGES
 
-# --- stages: ptrain/config/stage_kinds.py is the table (ptrain.stages maps it to drivers)
+# --- stages: ptrain/config/stages.py is the table (ptrain.stages maps it to drivers)
 STAGE_KINDS: tuple[str, ...] = tuple(STAGES)
 """Stage kinds with a driver (stages[i].kind)."""
 STAGE_INITS = ("previous", "base")

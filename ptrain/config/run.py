@@ -14,23 +14,19 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ptrain.config import choices as C
+from ptrain.config.algo import AlgoConfig
 from ptrain.config.choices import one_of
 from ptrain.config.data import DataConfig, validate_data_config
 from ptrain.config.env import EnvConfig, EnvConfigError, validate_env_configs
 from ptrain.config.grpo import CostConfig, RolloutConfig, validate_eval, validate_grpo
+from ptrain.config.mesh import MeshConfig
 from ptrain.config.model import ModelConfig
+from ptrain.config.optim import OptimConfig
+from ptrain.config.outputs import CheckpointConfig, LoggingConfig
 from ptrain.config.sandbox import SandboxConfig
 from ptrain.config.seeds import DEFAULT_SEED, resolve_seeds
-from ptrain.config.stage_kinds import STAGES
-from ptrain.config.train import (
-    AlgoConfig,
-    CheckpointConfig,
-    LoggingConfig,
-    MeshConfig,
-    OptimConfig,
-    StageConfig,
-    TrainConfig,
-)
+from ptrain.config.stages import STAGES, StageConfig
+from ptrain.config.train import TrainConfig
 
 
 class ConfigError(ValueError):
@@ -72,6 +68,17 @@ class RunConfig:
     """Ordered stages of the recipe; each starts from the previous one's export."""
     recipe: Any | None = None
     """Set by the `recipe` group (its files hold only overrides); unused at run time."""
+
+    @property
+    def stage(self) -> StageConfig:
+        """The one stage a stage's own config runs (`stage_config` gives each stage a
+        RunConfig whose `stages` lists that stage alone)."""
+        if len(self.stages) != 1:
+            raise ValueError(
+                f"RunConfig.stage is the stage of a stage's own config (stage_config); this one lists "
+                f"{len(self.stages)} stages: {[s.name for s in self.stages]}"
+            )
+        return self.stages[0]
 
 
 GROUPS = {

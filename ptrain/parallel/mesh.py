@@ -9,8 +9,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from ptrain.config.choices import MESH_AXES
+from ptrain.config.mesh import MeshConfig
 from ptrain.config.run import resolve_mesh_shape
-from ptrain.config.train import MeshConfig
 
 
 def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:

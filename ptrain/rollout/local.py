@@ -966,7 +966,7 @@ def eos_ids_of(path: str) -> tuple[int, ...]:
 
 def tensor_parallel_mesh(tp_size: int):
     """A (data, fsdp, tensor, expert) mesh with the weights split over `tp_size` devices."""
-    from ptrain.config.train import MeshConfig
+    from ptrain.config.mesh import MeshConfig
     from ptrain.parallel import make_mesh
 
     n = jax.device_count()

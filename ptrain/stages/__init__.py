@@ -1,6 +1,6 @@
 """Stage drivers, one thin loop per kind, found by kind.
 
-The kinds and what they need of the config are `ptrain.config.stage_kinds.STAGES`; this
+The kinds and what they need of the config are `ptrain.config.stages.STAGES`; this
 module maps each kind to its driver. A driver's module is imported only when a stage of
 that kind runs, so composing and validating a config never loads JAX.
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ptrain.config.stage_kinds import STAGES
+from ptrain.config.stages import STAGES
 
 
 def _sft() -> Callable[..., dict]:

@@ -319,7 +319,7 @@ class Stage:
 
     @property
     def name(self) -> str:
-        return self.run.stages[0].name
+        return self.run.stage.name
 
 
 def setup_stage(

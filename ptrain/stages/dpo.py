@@ -115,7 +115,7 @@ def run_dpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict
     t_start = time.time()
     if run.data.format != "preference":
         raise ValueError(
-            f"stage '{run.stages[0].name}' is a DPO stage but data.format is '{run.data.format}'; "
+            f"stage '{run.stage.name}' is a DPO stage but data.format is '{run.data.format}'; "
             "set data: {format: preference} in the stage (rows need prompt, chosen and rejected)"
         )
     tokenizer = tokenizer_for(run, init_path)

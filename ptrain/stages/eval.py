@@ -33,7 +33,7 @@ def run_eval_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
     from ptrain.train.state import split_model
 
     t_start = time.time()
-    stage = run.stages[0]
+    stage = run.stage
     configs = [run.envs[n] for n in (stage.envs or sorted(run.envs))]
     # An environment without held-out tasks would be skipped, and the stage would end
     # "done" with no metrics at all.

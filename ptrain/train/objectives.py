@@ -10,8 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ptrain.config.algo import DPOAlgoConfig, SFTAlgoConfig
 from ptrain.config.choices import REFERENCE_FREE_KINDS, SFT_AGGREGATIONS
-from ptrain.config.train import DPOAlgoConfig, SFTAlgoConfig
 from ptrain.losses import preference_loss, sequence_logprobs, vocab_stats, vocab_stats_from_hidden
 from ptrain.losses.reduce import sequence_sums
 from ptrain.losses.sft import sft_loss_from_stats

@@ -10,7 +10,7 @@ import jax
 import optax
 
 from ptrain.config.choices import OPTIMIZERS, SCHEDULES, one_of
-from ptrain.config.train import OptimConfig
+from ptrain.config.optim import OptimConfig
 
 
 def make_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:

@@ -6,7 +6,7 @@ from hydra import compose, initialize_config_module
 
 from ptrain.config import STAGE_KINDS, ConfigError, ModelConfig, OptimConfig, register_configs, to_run_config
 from ptrain.config import choices as C
-from ptrain.config.stage_kinds import STAGES
+from ptrain.config.stages import STAGES
 from ptrain.stages import DRIVERS, stage_driver
 
 register_configs()

@@ -153,7 +153,7 @@ def test_overrides_a_stage_replaces_are_pointed_out():
     itself; the CLI says so, with the override that would."""
     from ptrain.config import RunConfig
     from ptrain.config.run import shadowed_overrides
-    from ptrain.config.train import StageConfig
+    from ptrain.config.stages import StageConfig
 
     run = RunConfig(
         stages=[

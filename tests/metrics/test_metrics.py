@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from ptrain.config.train import LoggingConfig
+from ptrain.config.outputs import LoggingConfig
 from ptrain.metrics import MetricsLogger
 
 

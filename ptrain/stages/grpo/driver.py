@@ -358,7 +358,7 @@ def run_grpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
                         with_reference=cfg.kl_coef > 0, frozen=("router",) if cfg.freeze_router else ())  # fmt: skip
     from ptrain.config.seeds import component_seed
 
-    configs = [run.envs[n] for n in (run.stages[0].envs or sorted(run.envs))]
+    configs = [run.envs[n] for n in (run.stage.envs or sorted(run.envs))]
     envs = {e.env_name: make_env(e, tokenizer=tokenizer, sandbox=run.sandbox) for e in configs}
     seed = component_seed(run, "train.seed")
     tasks = EnvMixture(list(envs.values()), [e.weight for e in configs], seed=seed)
