@@ -69,6 +69,7 @@ import numpy as np
 
 from ptrain.rollout import sglang_wire as wire
 from ptrain.rollout.protocol import (
+    SWAP_MODES,
     EngineBase,
     EngineUnavailable,
     FinishReason,
@@ -90,7 +91,6 @@ from ptrain.rollout.weight_sync import (
 
 log = logging.getLogger(__name__)
 
-SWAP_MODES = ("drain", "abort", "in_place")
 PUSH_FOR_SWAP = {"drain": "drain", "abort": "abort", "in_place": "pause"}
 """The fleet's way to do each of LocalEngine's swap modes (weight_push_mode "stage")."""
 ABORT_TIMEOUT_S = 5.0

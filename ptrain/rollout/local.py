@@ -60,6 +60,7 @@ import numpy as np
 
 from ptrain.models.generate import base_keys, filters, sample_key, sample_rows
 from ptrain.rollout.protocol import (
+    SWAP_MODES,
     EngineBase,
     FinishReason,
     GenerateRequest,
@@ -70,7 +71,6 @@ from ptrain.rollout.protocol import (
 
 log = logging.getLogger(__name__)
 
-SWAP_MODES = ("drain", "abort", "in_place")
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 

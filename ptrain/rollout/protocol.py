@@ -282,6 +282,30 @@ class RolloutEngine(Protocol):
     def close(self) -> None: ...
 
 
+SWAP_MODES = ("drain", "abort", "in_place")
+"""What a weight update does to the requests in flight: drain (they finish on the old
+weights, then the swap), abort (they end now with their partial tokens), in_place (the
+swap happens between two decode steps and they go on with the new weights; each sample's
+weight_versions record the switch)."""
+
+
+@runtime_checkable
+class WeightSyncedEngine(RolloutEngine, Protocol):
+    """A sampler an RL stage trains against: it also takes the trainer's new weights.
+    LocalEngine swaps them in place; FleetEngine exports a versioned folder and has every
+    worker load it (ptrain.rollout.weight_sync)."""
+
+    def update_weights(
+        self, params: Any, model_state: Any = None, *, weight_version: str | None = None, mode: str = "drain"
+    ) -> str:
+        """Serve `params` (the trainer's pure-dict params, and its non-trainable model state)
+        from now on, as version `weight_version` (default: the next integer), handling the
+        requests in flight as `mode` (one of SWAP_MODES) says. Blocks until every sampler
+        serves them; returns the version. Raises on weights of another shape or dtype,
+        leaving the old ones serving."""
+        ...
+
+
 class EngineBase:
     """Conveniences every engine gets from `submit`."""
 

@@ -2,6 +2,7 @@
 train.seq_len capped at what the model can hold."""
 
 import dataclasses
+import inspect
 
 import pytest
 from flax import nnx
@@ -45,3 +46,19 @@ def test_a_seq_len_at_the_models_limit_caps_the_default_context(parts):
 def test_a_context_length_beyond_the_model_names_the_key(parts):
     with pytest.raises(ConfigError, match=r"'rollout.context_length': 100 exceeds the model's max_seq_len=64"):
         engine_for(parts, seq_len=32, context_length=100)
+
+
+def test_the_engines_an_rl_stage_syncs_take_weights_through_the_protocol():
+    from ptrain.rollout.fleet import FleetEngine
+    from ptrain.rollout.local import LocalEngine
+    from ptrain.rollout.protocol import SWAP_MODES, RolloutEngine, WeightSyncedEngine
+    from ptrain.rollout.replay import ReplayEngine
+
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=48,
+                      max_seq_len=32)  # fmt: skip
+    with LocalEngine(Decoder(cfg, rngs=nnx.Rngs(0)), max_running_requests=2) as engine:
+        assert isinstance(engine, WeightSyncedEngine)
+    assert isinstance(ReplayEngine(), RolloutEngine) and not isinstance(ReplayEngine(), WeightSyncedEngine)
+    for cls in (LocalEngine, FleetEngine):
+        assert inspect.signature(cls.update_weights).parameters["mode"].default == "drain"
+    assert SWAP_MODES == ("drain", "abort", "in_place")
