@@ -260,7 +260,7 @@ def run_mode(args, mode: str) -> dict:
     from ptrain.stages.common import Algorithm, build_step, setup_stage, tokenizer_for
     from ptrain.stages.grpo import RolloutBatches, groups_ahead
     from ptrain.stages.grpo.collector import RolloutCollector
-    from ptrain.train.grpo import make_policy_objective, policy_denominator
+    from ptrain.train.policy_objective import make_policy_objective, policy_denominator
 
     with tempfile.TemporaryDirectory() as run_dir:
         run = compose_run(bench_overrides(args, mode, run_dir))

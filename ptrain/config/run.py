@@ -16,13 +16,15 @@ from omegaconf.errors import OmegaConfBaseException
 from ptrain.config import choices as C
 from ptrain.config.algo import AlgoConfig
 from ptrain.config.choices import one_of
+from ptrain.config.cost import CostConfig
 from ptrain.config.data import DataConfig, validate_data_config
 from ptrain.config.env import EnvConfig, EnvConfigError, validate_env_configs
-from ptrain.config.grpo import CostConfig, RolloutConfig, validate_eval, validate_grpo
+from ptrain.config.grpo import validate_eval, validate_grpo
 from ptrain.config.mesh import MeshConfig
 from ptrain.config.model import ModelConfig
 from ptrain.config.optim import OptimConfig
 from ptrain.config.outputs import CheckpointConfig, LoggingConfig
+from ptrain.config.rollout import RolloutConfig
 from ptrain.config.sandbox import SandboxConfig
 from ptrain.config.seeds import DEFAULT_SEED, resolve_seeds
 from ptrain.config.stages import STAGES, StageConfig

@@ -23,7 +23,7 @@ from ptrain.data.prompts import make_eval_prompts
 from ptrain.data.sources import write_generated
 from ptrain.parallel import batch_sharding
 from ptrain.stages.common import Algorithm, IteratorBatches, setup_stage, tokenizer_for, train_evaluate_export
-from ptrain.stages.evaluation import ExactMatchEvaluator
+from ptrain.stages.heldout import ExactMatchEvaluator
 from ptrain.stages.policy_pairs import policy_pairs_data
 from ptrain.train.objectives import dpo_denominator, finalize_metrics, make_dpo_objective, pair_logprobs
 from ptrain.train.state import ModelDef

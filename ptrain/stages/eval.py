@@ -29,7 +29,7 @@ def run_eval_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
     from ptrain.metrics import MetricsLogger
     from ptrain.rollout.engines import make_engine
     from ptrain.rollout.protocol import EngineUnavailable
-    from ptrain.stages.env_eval import evaluate_envs
+    from ptrain.stages.env_metrics import evaluate_envs
     from ptrain.train.state import split_model
 
     t_start = time.time()

@@ -35,7 +35,7 @@ from ptrain.data.prompts import make_eval_prompts
 from ptrain.data.report import BadRowReport
 from ptrain.data.sources import open_split
 from ptrain.data.tasks import check_answer, write_jsonl
-from ptrain.stages.evaluation import complete, eval_engine
+from ptrain.stages.heldout import complete, eval_engine
 
 PAIRS_FILE = "policy_pairs.jsonl"
 EVAL_PAIRS_FILE = "policy_pairs_eval.jsonl"

@@ -16,7 +16,7 @@ from ptrain.data.prompts import make_eval_prompts
 from ptrain.data.sft import make_sft_iterator
 from ptrain.data.sources import write_generated
 from ptrain.stages.common import Algorithm, IteratorBatches, setup_stage, tokenizer_for, train_evaluate_export
-from ptrain.stages.evaluation import ExactMatchEvaluator, heldout_loss_evaluator
+from ptrain.stages.heldout import ExactMatchEvaluator, heldout_loss_evaluator
 from ptrain.train.objectives import finalize_metrics, make_sft_objective, sft_denominator
 from ptrain.train.state import ModelDef
 

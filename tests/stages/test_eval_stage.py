@@ -82,7 +82,7 @@ def test_an_environment_whose_every_episode_failed_stops_the_eval_stage():
     from ptrain.data.tokenizer import build_tokenizer
     from ptrain.envs.registry import make_env
     from ptrain.rollout.replay import ReplayEngine
-    from ptrain.stages.env_eval import evaluate_envs
+    from ptrain.stages.env_metrics import evaluate_envs
 
     tok = build_tokenizer(vocab_size=300)
     env = make_env(EnvConfig(kind="countdown", n_train=1, n_eval=2), tokenizer=tok)

@@ -5,7 +5,7 @@ collector.py  prompts from the environments -> the rollout engine -> scored grou
 batch.py      scored trajectories -> the fixed-shape policy batch of a step
 driver.py     the stage: rollout batches (reward shaping, group advantages, the
               epoch/mini-batch split, metrics and cost) -> the shared jitted update
-              (ptrain.train.grpo's objective) -> weights to the engine
+              (ptrain.train.policy_objective's objective) -> weights to the engine
 """
 
 from ptrain.stages.grpo.driver import RolloutBatches, groups_ahead, run_grpo_stage, shaped_rewards

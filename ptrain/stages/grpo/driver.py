@@ -6,7 +6,7 @@ environments. Then:
 
   rewards -> (overlong shaping) -> group-relative advantages -> policy_batch rows
           -> epochs x mini_batches optimizer steps of the pure policy objective
-             (ptrain.train.grpo; the same jitted step as SFT and DPO)
+             (ptrain.train.policy_objective; the same jitted step as SFT and DPO)
           -> the new weights to the engine (a weight version per optimizer step)
 
 `train.steps` counts optimizer steps; a rollout batch lasts epochs x mini_batches of them.
@@ -17,7 +17,7 @@ Modes (`algo.grpo.mode`):
          PipelineRL); a sample more than max_staleness versions older than the weights it
          would train is dropped. With partial_rollouts the engine swaps weights in place
          mid-sample; the loss's decoupled importance weight (engine vs proximal log-probs,
-         ptrain/train/grpo.py) keeps the clip unbiased either way.
+         ptrain/train/policy_objective.py) keeps the clip unbiased either way.
 
 The driver stays thin: the rollout side is `RolloutBatches` (the loop's Batches protocol:
 its after-step hook pushes weights), the update side `Algorithm` (objective, denominator).
@@ -39,10 +39,15 @@ from ptrain.config.grpo import staleness_bound
 from ptrain.losses.advantages import group_advantages
 from ptrain.rollout.protocol import EngineUnavailable, SamplingParams
 from ptrain.stages.common import Algorithm, Stage, setup_stage, tokenizer_for, train_evaluate_export
-from ptrain.stages.env_eval import is_correct
+from ptrain.stages.env_metrics import is_correct
 from ptrain.stages.grpo.batch import policy_batch
 from ptrain.stages.grpo.collector import Group, RolloutCollector
-from ptrain.train.grpo import finalize_policy_metrics, make_policy_objective, policy_denominator, policy_logprobs
+from ptrain.train.policy_objective import (
+    finalize_policy_metrics,
+    make_policy_objective,
+    policy_denominator,
+    policy_logprobs,
+)
 from ptrain.train.state import TrainState
 
 
@@ -349,7 +354,7 @@ def run_grpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
     from ptrain.envs.mixture import EnvMixture
     from ptrain.envs.registry import close_envs, make_env
     from ptrain.rollout.engines import make_engine
-    from ptrain.stages.env_eval import env_evaluator
+    from ptrain.stages.env_metrics import env_evaluator
 
     t_start = time.time()
     cfg = run.algo.grpo

@@ -9,7 +9,7 @@ from ptrain.data.tokenizer import build_tokenizer, stop_token_ids
 from ptrain.models import Decoder
 from ptrain.models.generate import generate
 from ptrain.rollout.local import LocalEngine
-from ptrain.stages.evaluation import complete
+from ptrain.stages.heldout import complete
 
 
 def test_complete_matches_one_prompt_at_a_time_and_reports_how_each_ended():

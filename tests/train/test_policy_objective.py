@@ -12,8 +12,8 @@ from ptrain.config.grpo import GRPOAlgoConfig
 from ptrain.envs.base import Task, Trajectory
 from ptrain.losses.policy import policy_loss
 from ptrain.stages.grpo.batch import policy_batch
-from ptrain.train.grpo import make_policy_objective, policy_denominator, policy_logprobs
 from ptrain.train.optim import make_optimizer
+from ptrain.train.policy_objective import make_policy_objective, policy_denominator, policy_logprobs
 from ptrain.train.state import init_train_state, split_model
 from ptrain.train.step import make_train_step
 from tests.train.helpers import tiny_model
