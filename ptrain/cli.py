@@ -72,7 +72,7 @@ def _run(cfg: DictConfig) -> dict:
     from ptrain.api import run as run_api
     from ptrain.checkpoint import CheckpointError  # jax imports only after the config is known good
     from ptrain.envs.sandbox import SandboxUnavailableError
-    from ptrain.stages.common import StageStopped, TrainingDiverged
+    from ptrain.stages.loop import StageStopped, TrainingDiverged
 
     try:
         return run_api(run).last.summary

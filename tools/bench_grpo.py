@@ -257,9 +257,10 @@ def run_mode(args, mode: str) -> dict:
     from ptrain.parallel import batch_sharding
     from ptrain.rollout.engines import make_engine
     from ptrain.rollout.protocol import SamplingParams
-    from ptrain.stages.common import Algorithm, build_step, setup_stage, tokenizer_for
     from ptrain.stages.grpo import RolloutBatches, groups_ahead
     from ptrain.stages.grpo.collector import RolloutCollector
+    from ptrain.stages.loop import Algorithm, build_step
+    from ptrain.stages.setup import setup_stage, tokenizer_for
     from ptrain.train.policy_objective import make_policy_objective, policy_denominator
 
     with tempfile.TemporaryDirectory() as run_dir:

@@ -22,9 +22,10 @@ from ptrain.data.preference import make_preference_iterator, make_preference_pas
 from ptrain.data.prompts import make_eval_prompts
 from ptrain.data.sources import write_generated
 from ptrain.parallel import batch_sharding
-from ptrain.stages.common import Algorithm, IteratorBatches, setup_stage, tokenizer_for, train_evaluate_export
 from ptrain.stages.heldout import ExactMatchEvaluator
+from ptrain.stages.loop import Algorithm, IteratorBatches, train_evaluate_export
 from ptrain.stages.policy_pairs import policy_pairs_data
+from ptrain.stages.setup import setup_stage, tokenizer_for
 from ptrain.train.objectives import dpo_denominator, finalize_metrics, make_dpo_objective, pair_logprobs
 from ptrain.train.state import ModelDef
 

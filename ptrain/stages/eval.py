@@ -15,7 +15,8 @@ import os
 import time
 
 from ptrain.config import ConfigError, RunConfig
-from ptrain.stages.common import StageStopped, ensure_base_model, load_model, stage_mesh, tokenizer_for
+from ptrain.stages.loop import StageStopped
+from ptrain.stages.setup import ensure_base_model, load_model, stage_mesh, tokenizer_for
 
 
 def run_eval_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict:

@@ -63,7 +63,7 @@ def eval_engine(run: RunConfig, placed, state, *, longest_prompt: int, max_new_t
     """A LocalEngine for a stage's evaluations and sampling, on the stage's mesh, with the
     weights of `state` (params and model state); the caller swaps newer weights in."""
     from ptrain.rollout.local import LocalEngine
-    from ptrain.stages.common import rules_of
+    from ptrain.stages.setup import rules_of
 
     model = placed.model_def.bind(state.params, state.model_state)
     max_len = model.cfg.max_seq_len

@@ -1,7 +1,7 @@
 """The SFT stage: data -> jitted step -> metrics, evaluation, checkpoints -> export.
 
 A thin driver: every piece it calls is a pure function or a small helper in
-stages/common.py, data/, train/ and models/.
+stages/setup.py, stages/loop.py, data/, train/ and models/.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from ptrain.config import RunConfig
 from ptrain.data.prompts import make_eval_prompts
 from ptrain.data.sft import make_sft_iterator
 from ptrain.data.sources import write_generated
-from ptrain.stages.common import Algorithm, IteratorBatches, setup_stage, tokenizer_for, train_evaluate_export
 from ptrain.stages.heldout import ExactMatchEvaluator, heldout_loss_evaluator
+from ptrain.stages.loop import Algorithm, IteratorBatches, train_evaluate_export
+from ptrain.stages.setup import setup_stage, tokenizer_for
 from ptrain.train.objectives import finalize_metrics, make_sft_objective, sft_denominator
 from ptrain.train.state import ModelDef
 

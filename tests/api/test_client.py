@@ -236,7 +236,7 @@ def adam_of(cfg) -> ptrain.AdamParams:
 
 def test_a_hand_written_sft_loop_reaches_the_sft_stages_losses(tmp_path):
     from ptrain.data import make_sft_iterator, write_generated
-    from ptrain.stages.common import tokenizer_for
+    from ptrain.stages.setup import tokenizer_for
 
     cfg = ptrain.compose(None, [*TINY_MODEL, "train.steps=3", "train.global_batch_size=4", "train.seq_len=64",
                                 "train.eval_every=0", "train.eval_batches=0", "train.eval_generate=0",

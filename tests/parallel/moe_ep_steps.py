@@ -7,7 +7,7 @@ groups, shared expert, first layer dense, router-bias update; scanned layers wit
 model configs, from one saved Hugging Face folder each:
   - the real SFT step (objective, denominator, router-bias hook, ptrain.train.step) on
     one device, and on a data=2 x expert=4 mesh through the stage's own loading path
-    (stages.common.load_model -> load_hf(mesh=, rules=)), which wires expert parallelism;
+    (stages.setup.load_model -> load_hf(mesh=, rules=)), which wires expert parallelism;
   - the optimizer is SGD with learning rate 1 that keeps the gradient in its state, so
     every gradient leaf of the first step is compared exactly, and the second step's loss
     shows the updated, sharded state trains on;
@@ -43,7 +43,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from ptrain.config import MeshConfig, ModelConfig, RunConfig  # noqa: E402
 from ptrain.models import Decoder, generate, load_hf, save_hf  # noqa: E402
 from ptrain.parallel import make_mesh  # noqa: E402
-from ptrain.stages.common import jit_step, load_model, place_state, router_bias_update  # noqa: E402
+from ptrain.stages.setup import jit_step, load_model, place_state, router_bias_update  # noqa: E402
 from ptrain.train.objectives import make_sft_objective, sft_denominator  # noqa: E402
 from ptrain.train.step import make_train_step  # noqa: E402
 from tests.train.helpers import random_batch  # noqa: E402

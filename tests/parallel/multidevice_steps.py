@@ -16,7 +16,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 from ptrain.config import MeshConfig, OptimConfig, RunConfig, SFTAlgoConfig  # noqa: E402
 from ptrain.parallel import make_mesh  # noqa: E402
-from ptrain.stages.common import jit_step, place_state  # noqa: E402
+from ptrain.stages.setup import jit_step, place_state  # noqa: E402
 from ptrain.train.objectives import make_sft_objective, sft_denominator  # noqa: E402
 from ptrain.train.optim import make_optimizer  # noqa: E402
 from ptrain.train.step import make_train_step  # noqa: E402

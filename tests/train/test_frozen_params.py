@@ -31,7 +31,7 @@ def test_router_weights_stay_put_and_the_rest_moves():
 
 def test_freezing_the_router_of_a_dense_model_is_a_config_error():
     from ptrain.config import ConfigError
-    from ptrain.stages.common import _check_frozen_names
+    from ptrain.stages.setup import _check_frozen_names
 
     _check_frozen_names(tiny_model(n_experts=4, top_k=2, d_ff_expert=16, family="qwen3_moe"), ("router",), "grpo")
     with pytest.raises(ConfigError, match=r"algo\.grpo\.freeze_router: the grpo stage's model has no 'router' "

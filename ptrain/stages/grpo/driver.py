@@ -38,10 +38,11 @@ from ptrain.config import RunConfig
 from ptrain.config.grpo import staleness_bound
 from ptrain.losses.advantages import group_advantages
 from ptrain.rollout.protocol import EngineUnavailable, SamplingParams
-from ptrain.stages.common import Algorithm, Stage, setup_stage, tokenizer_for, train_evaluate_export
 from ptrain.stages.env_metrics import is_correct
 from ptrain.stages.grpo.batch import policy_batch
 from ptrain.stages.grpo.collector import Group, RolloutCollector
+from ptrain.stages.loop import Algorithm, train_evaluate_export
+from ptrain.stages.setup import Stage, setup_stage, tokenizer_for
 from ptrain.train.policy_objective import (
     finalize_policy_metrics,
     make_policy_objective,

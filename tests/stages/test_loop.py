@@ -19,15 +19,8 @@ from ptrain.config import (
 )
 from ptrain.data import build_tokenizer, make_sft_iterator, write_generated
 from ptrain.models import Decoder, save_hf
-from ptrain.stages.common import (
-    IteratorBatches,
-    StageStopped,
-    load_model,
-    setup_stage,
-    stage_mesh,
-    tokenizer_for,
-    train_evaluate_export,
-)
+from ptrain.stages.loop import IteratorBatches, StageStopped, train_evaluate_export
+from ptrain.stages.setup import load_model, setup_stage, stage_mesh, tokenizer_for
 from ptrain.stages.sft import sft_algorithm
 
 
