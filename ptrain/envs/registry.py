@@ -79,6 +79,24 @@ def _nemo_gym() -> type:
     return NemoGymEnv
 
 
+def _mcqa() -> type:
+    from ptrain.envs.mcqa import McqaEnv
+
+    return McqaEnv
+
+
+def _instruction_following() -> type:
+    from ptrain.envs.instruction_following import InstructionFollowingEnv
+
+    return InstructionFollowingEnv
+
+
+def _structured_output() -> type:
+    from ptrain.envs.structured_output import StructuredOutputEnv
+
+    return StructuredOutputEnv
+
+
 ENV_CLASSES: dict[str, Callable[[], type]] = {
     "arithmetic": _arithmetic,
     "countdown": _countdown,
@@ -89,6 +107,9 @@ ENV_CLASSES: dict[str, Callable[[], type]] = {
     "long_horizon": _long_horizon,
     "terminal": _terminal,
     "nemo_gym": _nemo_gym,
+    "mcqa": _mcqa,
+    "instruction_following": _instruction_following,
+    "structured_output": _structured_output,
 }
 """Environment kind -> a function that imports and returns its Environment class. The
 kinds are those with an options dataclass in ptrain.config.env (a test keeps them equal)."""

@@ -1,0 +1,325 @@
+"""The `instruction_following` environment: a writing request plus constraints that code checks.
+
+A scaled-down, locally generated stand-in for Nemotron 3 Nano's IFEval/IFBench-style
+environment: each prompt is a request ("Write a short blog post about lighthouses.") followed
+by 1 to 3 constraints drawn from IF_FAMILIES (ptrain/config/env_verifiable.py), never two that
+IF_CONFLICTS says contradict each other:
+
+    word_count      at least / at most N words (words: runs of letters and digits, an inner
+                    apostrophe joins one: "don't" is one word, "well-known" two)
+    bullets         exactly N bullet points: lines starting with "* " or "- " (after indent)
+    keywords        both keywords, each as a whole word, any case
+    forbidden_word  never the word, as a whole word, in any case
+    lowercase       no capital letter, and at least one letter (str.islower)
+    uppercase       no lowercase letter, and at least one letter (str.isupper)
+    end_phrase      the response ends with the exact phrase (case and punctuation included)
+    quotation       the response starts and ends with a double quote (")
+    paragraphs      exactly N non-empty paragraphs separated by *** (IFEval's rule: an empty
+                    piece inside fails; empty pieces at either end are not counted)
+    first_word      the first word (leading punctuation skipped) is the given one, any case
+    title           a title in double angle brackets, <<like this>>, on one line, not empty
+    no_commas       no "," anywhere
+
+Each check is a pure function `(response, args) -> bool` in CHECKS. Scoring is IFEval's strict
+mode: the response as written, stripped of surrounding whitespace and of a reasoning block
+closed by </think>. The judge returns the fraction of the prompt's constraints met (reward
+component `correct`); metric all_met is 1 when every one is met (IFEval's prompt-level
+accuracy). An empty response, or one longer than options.max_answer_chars, scores 0 unchecked.
+
+The split key is the whole prompt: no prompt is in both train and eval, and the eval prompts
+are drawn first, so the held-out split does not change with n_train.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import re
+from collections.abc import Callable
+from itertools import combinations
+from typing import Any
+
+from ptrain.config.env_verifiable import IF_CONFLICTS
+from ptrain.envs.base import Task
+from ptrain.envs.single_turn import Score, SingleTurnEnv
+
+TOPICS = (
+    "lighthouses", "the history of tea", "urban gardening", "learning a new language", "volcanoes",
+    "the night sky", "bicycles", "public libraries", "honeybees", "rainforests", "chess", "bread baking",
+    "ocean tides", "recycling", "winter hiking", "jazz music", "paper airplanes", "ancient maps",
+    "coral reefs", "solar power", "board games", "city parks", "migrating birds", "clocks",
+    "the water cycle", "street food", "mountain railways", "deserts", "origami", "kites",
+    "a rainy afternoon", "moving to a new town", "a first day at work", "a lost umbrella",
+    "an old bookshop", "a summer festival", "a broken radio", "a quiet harbor", "a school play",
+    "a long train journey",
+)  # fmt: skip
+"""Subjects of the writing requests."""
+TEMPLATES = (
+    "Write a short essay about {topic}.",
+    "Write a blog post about {topic}.",
+    "Describe {topic} for a curious ten-year-old.",
+    "Write a short story about {topic}.",
+    "Write a letter to a friend about {topic}.",
+    "Explain why {topic} matters to people.",
+    "Write a speech about {topic}.",
+    "Write a product description inspired by {topic}.",
+)
+"""Writing requests, each with one topic."""
+KEYWORDS = (
+    "history", "future", "balance", "energy", "journey", "community", "silence", "pattern",
+    "window", "river", "signal", "memory", "bridge", "harvest", "compass", "lantern",
+)  # fmt: skip
+"""Words a keywords constraint asks for."""
+FORBIDDEN = ("very", "really", "basically", "actually", "thing", "stuff", "nice", "literally", "totally", "great")
+"""Words a forbidden_word constraint bans: none occurs in TOPICS, TEMPLATES, KEYWORDS, FIRST_WORDS,
+END_PHRASES or the constraint descriptions, so the prompt never asks for a banned word."""
+FIRST_WORDS = ("Today", "Imagine", "Consider", "Honestly", "Remember", "Surprisingly", "Once", "Listen")
+"""Words a first_word constraint asks the response to start with."""
+END_PHRASES = (
+    "Is there anything else I can help with?",
+    "Let me know if you have additional questions.",
+    "That is all for now.",
+    "Thank you for reading.",
+    "Any other questions?",
+)
+"""Phrases an end_phrase constraint asks the response to end with (no commas, so that they
+fit no_commas too)."""
+
+WORD_RE = re.compile(r"\w+(?:['’]\w+)*")
+BULLET_RE = re.compile(r"^[ \t]*[*-][ \t]+\S", re.MULTILINE)
+PARAGRAPH_SPLIT_RE = re.compile(r"\s?\*\*\*\s?")
+TITLE_RE = re.compile(r"<<([^<>\n]+)>>")
+FIRST_WORD_RE = re.compile(r"[\W_]*(\w+)")
+
+
+def final_response(text: str) -> str:
+    """The part of a completion that is the response: after the last </think>, stripped."""
+    end = text.rfind("</think>")
+    return (text[end + len("</think>") :] if end >= 0 else text).strip()
+
+
+def _has_word(text: str, word: str) -> bool:
+    return re.search(rf"(?<!\w){re.escape(word)}(?!\w)", text, re.IGNORECASE) is not None
+
+
+def count_words(text: str) -> int:
+    """Words of text: runs of letters and digits (an inner apostrophe joins two runs)."""
+    return sum(1 for _ in WORD_RE.finditer(text))
+
+
+def check_word_count(response: str, args: dict[str, Any]) -> bool:
+    n = count_words(response)
+    return n >= args["n"] if args["relation"] == "at_least" else n <= args["n"]
+
+
+def check_bullets(response: str, args: dict[str, Any]) -> bool:
+    return len(BULLET_RE.findall(response)) == args["n"]
+
+
+def check_keywords(response: str, args: dict[str, Any]) -> bool:
+    return all(_has_word(response, k) for k in args["words"])
+
+
+def check_forbidden_word(response: str, args: dict[str, Any]) -> bool:
+    return not _has_word(response, args["word"])
+
+
+def check_lowercase(response: str, args: dict[str, Any]) -> bool:
+    return response.islower()
+
+
+def check_uppercase(response: str, args: dict[str, Any]) -> bool:
+    return response.isupper()
+
+
+def check_end_phrase(response: str, args: dict[str, Any]) -> bool:
+    return response.strip().endswith(args["phrase"])
+
+
+def check_quotation(response: str, args: dict[str, Any]) -> bool:
+    text = response.strip()
+    return len(text) >= 2 and text[0] == '"' and text[-1] == '"'
+
+
+def check_paragraphs(response: str, args: dict[str, Any]) -> bool:
+    pieces = PARAGRAPH_SPLIT_RE.split(response)
+    count = len(pieces)
+    for i, piece in enumerate(pieces):
+        if not piece.strip():
+            if 0 < i < len(pieces) - 1:
+                return False
+            count -= 1
+    return count == args["n"]
+
+
+def check_first_word(response: str, args: dict[str, Any]) -> bool:
+    m = FIRST_WORD_RE.match(response.strip())
+    return m is not None and m.group(1).lower() == args["word"].lower()
+
+
+def check_title(response: str, args: dict[str, Any]) -> bool:
+    return any(m.group(1).strip() for m in TITLE_RE.finditer(response))
+
+
+def check_no_commas(response: str, args: dict[str, Any]) -> bool:
+    return "," not in response
+
+
+CHECKS: dict[str, Callable[[str, dict[str, Any]], bool]] = {
+    "word_count": check_word_count,
+    "bullets": check_bullets,
+    "keywords": check_keywords,
+    "forbidden_word": check_forbidden_word,
+    "lowercase": check_lowercase,
+    "uppercase": check_uppercase,
+    "end_phrase": check_end_phrase,
+    "quotation": check_quotation,
+    "paragraphs": check_paragraphs,
+    "first_word": check_first_word,
+    "title": check_title,
+    "no_commas": check_no_commas,
+}
+"""Constraint family -> its check: (response, args) -> whether the response meets it."""
+
+
+def _word_count_args(rng: random.Random) -> dict[str, Any]:
+    if rng.random() < 0.5:
+        return {"relation": "at_least", "n": rng.choice(range(50, 301, 25))}
+    return {"relation": "at_most", "n": rng.choice(range(80, 401, 40))}
+
+
+ARGS: dict[str, Callable[[random.Random], dict[str, Any]]] = {
+    "word_count": _word_count_args,
+    "bullets": lambda rng: {"n": rng.randint(2, 6)},
+    "keywords": lambda rng: {"words": rng.sample(KEYWORDS, 2)},
+    "forbidden_word": lambda rng: {"word": rng.choice(FORBIDDEN)},
+    "lowercase": lambda rng: {},
+    "uppercase": lambda rng: {},
+    "end_phrase": lambda rng: {"phrase": rng.choice(END_PHRASES)},
+    "quotation": lambda rng: {},
+    "paragraphs": lambda rng: {"n": rng.randint(2, 5)},
+    "first_word": lambda rng: {"word": rng.choice(FIRST_WORDS)},
+    "title": lambda rng: {},
+    "no_commas": lambda rng: {},
+}
+"""Constraint family -> a draw of its arguments."""
+
+
+def describe(family: str, args: dict[str, Any]) -> str:
+    """The instruction that asks for constraint `family` with `args`, as the prompt says it."""
+    if family == "word_count":
+        if args["relation"] == "at_least":
+            return f"Your response should contain at least {args['n']} words."
+        return f"Answer with at most {args['n']} words."
+    if family == "bullets":
+        return (
+            f"Your answer must contain exactly {args['n']} bullet points. Use markdown bullet points "
+            "such as:\n* This is point 1.\n* This is point 2"
+        )
+    if family == "keywords":
+        a, b = args["words"]
+        return f'Include the keywords "{a}" and "{b}" in the response.'
+    if family == "forbidden_word":
+        return f'Do not use the word "{args["word"]}" anywhere in your response.'
+    if family == "lowercase":
+        return (
+            "Your entire response should be in English, and in all lowercase letters. No capital letters are allowed."
+        )
+    if family == "uppercase":
+        return "Your entire response should be in English and in all capital letters."
+    if family == "end_phrase":
+        return f'End your response with this exact phrase: "{args["phrase"]}" No other words should follow it.'
+    if family == "quotation":
+        return "Wrap your entire response with double quotation marks."
+    if family == "paragraphs":
+        return (
+            f"There should be exactly {args['n']} paragraphs. Paragraphs are separated from each other by the "
+            "markdown divider: ***"
+        )
+    if family == "first_word":
+        return f'Start your response with the word "{args["word"]}".'
+    if family == "title":
+        return "Your answer must contain a title, wrapped in double angular brackets, such as <<poem of joy>>."
+    if family == "no_commas":
+        return "In your entire response, refrain from the use of any commas."
+    raise ValueError(f"unknown constraint family {family!r}")
+
+
+def constraint_results(response: str, constraints: list[dict[str, Any]]) -> list[bool]:
+    """Whether `response` meets each constraint ({"family", "args"}), in order."""
+    return [bool(CHECKS[c["family"]](response, c["args"])) for c in constraints]
+
+
+def judge_instruction_following(response: str, data: dict[str, Any]) -> float:
+    """The fraction of data["constraints"] that `response` meets; 0.0 for a response longer
+    than data["max_answer_chars"] (never checked)."""
+    if len(response) > data.get("max_answer_chars", 16000):
+        return 0.0
+    results = constraint_results(response, data["constraints"])
+    return sum(results) / len(results)
+
+
+def compatible_subsets(families: list[str], sizes: range) -> dict[int, list[tuple[str, ...]]]:
+    """Per size in `sizes`, the sets of `families` (in their order) with no pair in IF_CONFLICTS."""
+    return {
+        k: [s for s in combinations(families, k) if all(frozenset(p) not in IF_CONFLICTS for p in combinations(s, 2))]
+        for k in sizes
+    }
+
+
+class InstructionFollowingEnv(SingleTurnEnv):
+    """IFEval-style constrained writing requests (options: InstructionFollowingOptions)."""
+
+    kind = "instruction_following"
+    judge = staticmethod(judge_instruction_following)
+    extra_metrics = ("all_met",)
+
+    def make_tasks(self, seed: int) -> tuple[list[Task], list[Task]]:
+        o = self.options
+        rng = random.Random(seed)
+        subsets = compatible_subsets(list(o.families), range(o.min_constraints, o.max_constraints + 1))
+        need = self.cfg.n_train + self.cfg.n_eval
+        seen: set[str] = set()
+        drawn: list[dict[str, Any]] = []
+        misses = 0
+        while len(drawn) < need:
+            request = rng.choice(TEMPLATES).format(topic=rng.choice(TOPICS))
+            families = list(rng.choice(subsets[rng.randint(o.min_constraints, o.max_constraints)]))
+            rng.shuffle(families)
+            constraints = [{"family": f, "args": ARGS[f](rng)} for f in families]
+            prompt = " ".join([request, *(describe(c["family"], c["args"]) for c in constraints)])
+            if prompt in seen:
+                misses += 1
+                if misses > 200 * need + 10000:
+                    raise ValueError(
+                        f"envs.{self.name}: found only {len(drawn)} of {need} distinct prompts with families "
+                        f"{o.families}; add families, raise max_constraints or lower n_train / n_eval"
+                    )
+                continue
+            seen.add(prompt)
+            drawn.append(
+                {
+                    "request": request,
+                    "prompt": prompt,
+                    "constraints": constraints,
+                    "max_answer_chars": o.max_answer_chars,
+                }
+            )
+
+        def make(split: str, rows: list[dict[str, Any]]) -> list[Task]:
+            return [self.task(split, i, self.user(row["prompt"]), row) for i, row in enumerate(rows)]
+
+        return make("train", drawn[self.cfg.n_eval :]), make("eval", drawn[: self.cfg.n_eval])
+
+    def extract(self, task: Task, text: str) -> str | None:
+        response = final_response(text)
+        if not response or len(response) > self.options.max_answer_chars:
+            return None
+        return response
+
+    async def score(self, task: Task, text: str) -> Score:
+        """The base score, plus metric all_met: 1 when the response met every constraint."""
+        out = await super().score(task, text)
+        if out.reward_error is None and out.metrics.get("formatted"):
+            out = dataclasses.replace(out, metrics={**out.metrics, "all_met": float(out.metrics["correct"] >= 1.0)})
+        return out
