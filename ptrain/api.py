@@ -57,7 +57,7 @@ def compose(recipe: str | None = None, overrides: Overrides = ()) -> RunConfig:
             cfg = hydra_compose(config_name="config", overrides=args)
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError(_one_line(e)) from None
-    return to_run_config(cfg)
+    return to_run_config(cfg, overrides)
 
 
 def run(

@@ -56,7 +56,11 @@ def _run(cfg: DictConfig) -> dict:
     for name in ("absl", "orbax", "jax._src.xla_bridge"):
         logging.getLogger(name).setLevel(logging.WARNING)
     try:
-        run = to_run_config(cfg)
+        overrides = list(HydraConfig.get().overrides.task)
+    except ValueError:  # not under Hydra
+        overrides = []
+    try:
+        run = to_run_config(cfg, overrides)
     except (ConfigError, FileNotFoundError) as e:
         return _fail("config error", e, 2)
     if _multirun():

@@ -6,6 +6,7 @@ import dataclasses
 import os
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +71,13 @@ class RunConfig:
     """Ordered stages of the recipe; each starts from the previous one's export."""
     recipe: Any | None = None
     """Set by the `recipe` group (its files hold only overrides); unused at run time."""
+    scale: str = "tiny"
+    """Which size of the recipe to run: tiny (the recipe as written, the CPU-scale default),
+    or a name in `scales` (smoke: every stage a few steps, which CI runs; published: the
+    paper's settings). `python -m ptrain recipe=NAME scale=smoke`."""
+    scales: dict[str, Any] = field(default_factory=dict)
+    """The recipe's other sizes: {scale name: overrides of the config's nodes}, merged over
+    the composed recipe when `scale` names one; command-line overrides still win."""
 
     @property
     def stage(self) -> StageConfig:
@@ -104,15 +112,19 @@ def register_configs() -> None:
         cs.store(group=group, name="schema", node=node)
 
 
-def to_run_config(cfg: DictConfig | dict) -> RunConfig:
+def to_run_config(cfg: DictConfig | dict, overrides: Sequence[str] = ()) -> RunConfig:
     """Turn a composed config into a typed RunConfig and validate it.
 
-    Unknown keys and wrong types raise ConfigError naming the key; impossible values too.
-    Null component seeds are derived from the top-level `seed` here, once, so the returned
-    config (and the config.yaml a run saves) holds concrete values.
+    The recipe's `scales[scale]` is merged in first (unless scale is tiny, the recipe as
+    written), then the command line's key=value `overrides` again, so that they win over
+    the scale as they win over the recipe. Unknown keys and wrong types raise ConfigError
+    naming the key; impossible values too. Null component seeds are derived from the
+    top-level `seed` here, once, so the returned config (and the config.yaml a run saves)
+    holds concrete values.
     """
     try:
         merged = OmegaConf.merge(OmegaConf.structured(RunConfig), cfg)
+        merged = apply_scale(merged, overrides)
         run: RunConfig = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise ConfigError(explain_omegaconf_error(e)) from None
@@ -124,6 +136,42 @@ def to_run_config(cfg: DictConfig | dict) -> RunConfig:
     resolve_seeds(run)
     validate(run)
     return run
+
+
+BASE_SCALE = "tiny"
+"""The scale a recipe file is written at; the others are its `scales` entries."""
+
+
+def apply_scale(merged: DictConfig, overrides: Sequence[str] = ()) -> DictConfig:
+    """The composed config with `scales[scale]` merged in and the key=value overrides
+    applied again on top (group choices such as model=hf were applied by the composition)."""
+    scale, scales = merged.scale, merged.scales
+    if scale == BASE_SCALE and BASE_SCALE not in scales:
+        return merged
+    if scale not in scales:
+        have = ", ".join([BASE_SCALE, *[k for k in scales if k != BASE_SCALE]])
+        raise ConfigError(
+            f"config key 'scale': recipe '{merged.name}' has no scale '{scale}'; it has {have} "
+            "(its `scales` table; tiny is the recipe as written)"
+        )
+    merged = OmegaConf.merge(merged, scales[scale])
+    for key, value in plain_overrides(overrides):
+        OmegaConf.update(merged, key, value, merge=False)
+    return merged
+
+
+def plain_overrides(overrides: Sequence[str]) -> list[tuple[str, Any]]:
+    """(dotted key, value) of each command-line override that sets a value, leaving out
+    group choices (model=hf, env=[...]), deletions and Hydra's own keys."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    out = []
+    for o in OverridesParser.create().parse_overrides(list(overrides)):
+        key = o.key_or_group
+        if o.is_delete() or key.startswith("hydra") or key in ("recipe", "env") or key in GROUPS:
+            continue
+        out.append((key, o.value()))
+    return out
 
 
 def stage_config(run: RunConfig, stage: StageConfig) -> RunConfig:

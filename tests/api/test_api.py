@@ -112,3 +112,17 @@ def test_the_cli_refuses_an_unknown_recipe_in_one_line_before_hydra(tmp_path):
         assert len(lines) == 1 and lines[0].startswith("ptrain: config error: config key 'recipe': there is no recipe")
         assert "sft_grpo_arithmetic" in lines[0]
         assert not os.path.exists(tmp_path / "runs")
+
+
+def test_a_scale_is_the_recipes_own_table_and_the_command_line_still_wins():
+    smoke = ptrain.compose("sft_grpo_arithmetic", ["scale=smoke"])
+    tiny = ptrain.compose("sft_grpo_arithmetic")
+    assert (tiny.scale, smoke.scale) == ("tiny", "smoke")
+    assert tiny.model.d_model == 256 and smoke.model.d_model == 32
+    assert [s.name for s in smoke.stages] == ["sft", "grpo", "eval"] and smoke.stages[1].train["steps"] == 2
+    mine = ptrain.compose("sft_grpo_arithmetic", ["scale=smoke", "train.steps=6", "model.d_model=64", "seed=5"])
+    assert (mine.train.steps, mine.model.d_model, mine.seed) == (6, 64, 5)
+    with pytest.raises(ptrain.ConfigError, match=r"recipe 'sft_arithmetic' has no scale 'huge'; it has tiny, smoke"):
+        ptrain.compose("sft_arithmetic", ["scale=huge"])
+    with pytest.raises(ptrain.ConfigError, match=r"recipe 'default' has no scale 'smoke'; it has tiny"):
+        ptrain.compose(None, ["scale=smoke"])

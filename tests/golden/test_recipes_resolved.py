@@ -1,5 +1,6 @@
-"""Every recipe composes, and its resolved config is checked in (tests/golden/recipes/<name>.yaml),
-so that any change to a recipe or a default shows up in review.
+"""Every recipe composes at every scale, and its resolved config is checked in
+(tests/golden/recipes/<name>.yaml for the recipe as written, <name>@<scale>.yaml for each of its
+`scales`), so that any change to a recipe or a default shows up in review.
 
 Re-pin after an intended change with:  PTRAIN_REPIN=1 python -m pytest tests/golden -q
 """
@@ -19,13 +20,23 @@ RECIPES = sorted(f[:-5] for f in os.listdir(os.path.join(ROOT, "recipes")) if f.
 register_configs()
 
 
-@pytest.mark.parametrize("name", RECIPES)
-def test_resolved_recipe_matches_the_pinned_copy(name):
+def scales_of(name: str) -> list[str]:
     with initialize_config_module(config_module="ptrain.conf", version_base="1.3"):
         cfg = compose(config_name="config", overrides=[f"recipe={name}"])
-    run = to_run_config(cfg)
+    return ["tiny", *sorted(cfg.scales)]
+
+
+CASES = [(name, scale) for name in RECIPES for scale in scales_of(name)]
+
+
+@pytest.mark.parametrize("name, scale", CASES)
+def test_resolved_recipe_matches_the_pinned_copy(name, scale):
+    overrides = [f"recipe={name}", f"scale={scale}"]
+    with initialize_config_module(config_module="ptrain.conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    run = to_run_config(cfg, overrides)
     text = OmegaConf.to_yaml(OmegaConf.structured(run))
-    path = os.path.join(PINNED, f"{name}.yaml")
+    path = os.path.join(PINNED, f"{name}.yaml" if scale == "tiny" else f"{name}@{scale}.yaml")
     if os.environ.get("PTRAIN_REPIN") or not os.path.exists(path):
         os.makedirs(PINNED, exist_ok=True)
         with open(path, "w") as f:
@@ -35,7 +46,7 @@ def test_resolved_recipe_matches_the_pinned_copy(name):
     with open(path) as f:
         pinned = f.read()
     assert text == pinned, (
-        f"the resolved config of recipe '{name}' changed. If the change is intended (a recipe or a default was "
+        f"the resolved config of recipe '{name}' at scale {scale} changed. If the change is intended (a recipe or a default was "
         f"edited on purpose), re-pin with PTRAIN_REPIN=1 python -m pytest tests/golden and commit "
-        f"tests/golden/recipes/{name}.yaml with the change."
+        f"{os.path.relpath(path, ROOT)} with the change."
     )
