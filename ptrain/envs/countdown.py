@@ -25,7 +25,7 @@ from fractions import Fraction
 from typing import Any
 
 from ptrain.envs.base import Task
-from ptrain.envs.single_turn import SingleTurnEnv, extract_tag
+from ptrain.envs.single_turn import SingleTurnEnv, draw_distinct, extract_tag
 
 MAX_DEPTH = 32
 """Deepest parenthesis nesting the parser accepts."""
@@ -209,22 +209,15 @@ class CountdownEnv(SingleTurnEnv):
         o = self.options
         rng = random.Random(seed)
         need = self.cfg.n_train + self.cfg.n_eval
-        seen: set[tuple] = set()
-        drawn: list[tuple[list[int], int, str]] = []
-        misses = 0
-        while len(drawn) < need:
-            got = make_problem(rng, o)
-            key = None if got is None else (tuple(sorted(got[0])), got[1])
-            if got is None or key in seen:
-                misses += 1
-                if misses > 200 * need + 10000:
-                    raise ValueError(
-                        f"envs.{self.name}: found only {len(drawn)} of {need} distinct countdown tasks with targets in "
-                        f"[{o.min_target}, {o.max_target}]; widen the target range or lower n_train / n_eval"
-                    )
-                continue
-            seen.add(key)
-            drawn.append(got)
+        drawn = draw_distinct(
+            lambda: make_problem(rng, o),
+            lambda got: (tuple(sorted(got[0])), got[1]),
+            need,
+            lambda found: (
+                f"envs.{self.name}: found only {found} of {need} distinct countdown tasks with targets "
+                f"in [{o.min_target}, {o.max_target}]; widen the target range or lower n_train / n_eval"
+            ),
+        )
 
         def make(split: str, problems) -> list[Task]:
             out = []

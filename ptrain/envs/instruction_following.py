@@ -41,7 +41,7 @@ from typing import Any
 
 from ptrain.config.env_verifiable import IF_CONFLICTS
 from ptrain.envs.base import Task
-from ptrain.envs.single_turn import Score, SingleTurnEnv
+from ptrain.envs.single_turn import Score, SingleTurnEnv, draw_distinct
 
 TOPICS = (
     "lighthouses", "the history of tea", "urban gardening", "learning a new language", "volcanoes",
@@ -279,32 +279,29 @@ class InstructionFollowingEnv(SingleTurnEnv):
         rng = random.Random(seed)
         subsets = compatible_subsets(list(o.families), range(o.min_constraints, o.max_constraints + 1))
         need = self.cfg.n_train + self.cfg.n_eval
-        seen: set[str] = set()
-        drawn: list[dict[str, Any]] = []
-        misses = 0
-        while len(drawn) < need:
+
+        def draw() -> dict[str, Any]:
             request = rng.choice(TEMPLATES).format(topic=rng.choice(TOPICS))
             families = list(rng.choice(subsets[rng.randint(o.min_constraints, o.max_constraints)]))
             rng.shuffle(families)
             constraints = [{"family": f, "args": ARGS[f](rng)} for f in families]
             prompt = " ".join([request, *(describe(c["family"], c["args"]) for c in constraints)])
-            if prompt in seen:
-                misses += 1
-                if misses > 200 * need + 10000:
-                    raise ValueError(
-                        f"envs.{self.name}: found only {len(drawn)} of {need} distinct prompts with families "
-                        f"{o.families}; add families, raise max_constraints or lower n_train / n_eval"
-                    )
-                continue
-            seen.add(prompt)
-            drawn.append(
-                {
-                    "request": request,
-                    "prompt": prompt,
-                    "constraints": constraints,
-                    "max_answer_chars": o.max_answer_chars,
-                }
-            )
+            return {
+                "request": request,
+                "prompt": prompt,
+                "constraints": constraints,
+                "max_answer_chars": o.max_answer_chars,
+            }
+
+        drawn = draw_distinct(
+            draw,
+            lambda row: row["prompt"],
+            need,
+            lambda found: (
+                f"envs.{self.name}: found only {found} of {need} distinct prompts with families "
+                f"{o.families}; add families, raise max_constraints or lower n_train / n_eval"
+            ),
+        )
 
         def make(split: str, rows: list[dict[str, Any]]) -> list[Task]:
             return [self.task(split, i, self.user(row["prompt"]), row) for i, row in enumerate(rows)]

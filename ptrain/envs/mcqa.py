@@ -44,7 +44,7 @@ from typing import Any
 
 from ptrain.config.env_verifiable import MCQA_MAX_CHOICES
 from ptrain.envs.base import Task
-from ptrain.envs.single_turn import SingleTurnEnv
+from ptrain.envs.single_turn import SingleTurnEnv, draw_distinct
 
 LETTERS = "ABCDEFGHIJ"[:MCQA_MAX_CHOICES]
 """Option letters, in order."""
@@ -241,21 +241,15 @@ class McqaEnv(SingleTurnEnv):
         o = self.options
         rng = random.Random(seed)
         need = self.cfg.n_train + self.cfg.n_eval
-        seen: set[str] = set()
-        drawn: list[dict[str, Any]] = []
-        misses = 0
-        while len(drawn) < need:
-            q = make_question(rng, rng.choice(o.families), rng.randint(o.min_choices, o.max_choices))
-            if q["key"] in seen:
-                misses += 1
-                if misses > 200 * need + 10000:
-                    raise ValueError(
-                        f"envs.{self.name}: found only {len(drawn)} of {need} distinct questions of families "
-                        f"{o.families}; add families or lower n_train / n_eval"
-                    )
-                continue
-            seen.add(q["key"])
-            drawn.append(q)
+        drawn = draw_distinct(
+            lambda: make_question(rng, rng.choice(o.families), rng.randint(o.min_choices, o.max_choices)),
+            lambda q: q["key"],
+            need,
+            lambda found: (
+                f"envs.{self.name}: found only {found} of {need} distinct questions of families "
+                f"{o.families}; add families or lower n_train / n_eval"
+            ),
+        )
 
         def make(split: str, questions: list[dict[str, Any]]) -> list[Task]:
             return [

@@ -53,6 +53,27 @@ BASE_METRICS = ("correct", "formatted", "truncated", "aborted", "reward_error")
 """Metrics every single-turn episode reports (0 or 1 each; `correct` may be a fraction)."""
 
 
+def draw_distinct(draw: Callable[[], Any], key: Callable[[Any], Any], need: int, too_few: Callable[[int], str]) -> list:
+    """`need` results of `draw()` with distinct `key`s, in the order drawn (a generated kind's
+    tasks: the eval split takes the first ones, so it stays put when n_train changes). A
+    draw may return None (no task this time). ValueError(too_few(found)) once draws have
+    repeated or failed 200 x need + 10000 times: the kind's options leave too few tasks."""
+    seen: set = set()
+    drawn: list = []
+    misses = 0
+    while len(drawn) < need:
+        got = draw()
+        k = None if got is None else key(got)
+        if got is None or k in seen:
+            misses += 1
+            if misses > 200 * need + 10000:
+                raise ValueError(too_few(len(drawn)))
+            continue
+        seen.add(k)
+        drawn.append(got)
+    return drawn
+
+
 def extract_tag(text: str, tag: str = "answer") -> str | None:
     """The stripped content of the last complete <tag>...</tag> in text; None if there is none
     (or it is empty)."""

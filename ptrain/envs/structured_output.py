@@ -49,7 +49,7 @@ from typing import Any
 from ptrain.config.env_verifiable import STRUCTURED_FIELDS
 from ptrain.envs.base import Task
 from ptrain.envs.instruction_following import final_response
-from ptrain.envs.single_turn import SingleTurnEnv
+from ptrain.envs.single_turn import SingleTurnEnv, draw_distinct
 
 SUPPORTED_KEYWORDS = frozenset(
     {"type", "properties", "required", "additionalProperties", "items", "enum", "minItems", "maxItems"}
@@ -397,22 +397,15 @@ class StructuredOutputEnv(SingleTurnEnv):
         o = self.options
         rng = random.Random(seed)
         need = self.cfg.n_train + self.cfg.n_eval
-        seen: set[str] = set()
-        drawn: list[dict[str, Any]] = []
-        misses = 0
-        while len(drawn) < need:
-            record = make_record(rng, o)
-            key = json.dumps([record["schema"], record["expected"]], sort_keys=True)
-            if key in seen:
-                misses += 1
-                if misses > 200 * need + 10000:
-                    raise ValueError(
-                        f"envs.{self.name}: found only {len(drawn)} of {need} distinct schemas with types "
-                        f"{o.types}; add types, widen the property range or lower n_train / n_eval"
-                    )
-                continue
-            seen.add(key)
-            drawn.append({**record, "max_answer_chars": o.max_answer_chars})
+        drawn = draw_distinct(
+            lambda: {**make_record(rng, o), "max_answer_chars": o.max_answer_chars},
+            lambda r: json.dumps([r["schema"], r["expected"]], sort_keys=True),
+            need,
+            lambda found: (
+                f"envs.{self.name}: found only {found} of {need} distinct schemas with types {o.types}; "
+                "add types, widen the property range or lower n_train / n_eval"
+            ),
+        )
 
         def make(split: str, rows: list[dict[str, Any]]) -> list[Task]:
             return [
