@@ -285,7 +285,7 @@ def test_a_hand_written_importance_sampling_loop_reaches_the_grpo_stages_losses(
                                 "algo.grpo.prompts_per_step=2", "algo.grpo.group_size=4",
                                 "algo.grpo.max_new_tokens=16", "optim.lr=3e-3", "rollout.max_running_requests=8",
                                 "checkpoint.every_steps=3", f"run_dir={tmp_path}"])  # fmt: skip
-    result = ptrain.policy_objective(cfg)
+    result = ptrain.grpo(cfg)
     expected = stage_losses(os.path.dirname(result.metrics_path))
     assert len(seen) == cfg.train.steps == len(expected)
 
