@@ -115,8 +115,10 @@ def run_stage(
     `train={"steps": 4}, optim={"lr": 1e-3}`, applied after `overrides`.
     """
     cfg = _config(config, list(_as_overrides(overrides)) + _dotted(values), run_dir)
-    if kind not in {"sft", "dpo", "grpo", "eval"}:
-        raise ConfigError(f"stage kind '{kind}': pass sft, dpo, grpo or eval")
+    from ptrain.config.stages import STAGES
+
+    if kind not in STAGES:
+        raise ConfigError(f"stage kind '{kind}': pass one of {', '.join(STAGES)}")
     chosen = _pick_stage(cfg, kind, stage)
     if chosen is None:
         cfg = _revalidated(dataclasses.replace(cfg, stages=[StageConfig(name=kind, kind=kind)]))

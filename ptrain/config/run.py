@@ -77,7 +77,8 @@ class RunConfig:
     paper's settings). `python -m ptrain recipe=NAME scale=smoke`."""
     scales: dict[str, Any] = field(default_factory=dict)
     """The recipe's other sizes: {scale name: overrides of the config's nodes}, merged over
-    the composed recipe when `scale` names one; command-line overrides still win."""
+    the composed recipe when `scale` names one; command-line overrides still win. A resolved
+    config holds only its own scale's entry, emptied once applied."""
 
     @property
     def stage(self) -> StageConfig:
@@ -157,6 +158,9 @@ def apply_scale(merged: DictConfig, overrides: Sequence[str] = ()) -> DictConfig
     merged = OmegaConf.merge(merged, scales[scale])
     for key, value in plain_overrides(overrides):
         OmegaConf.update(merged, key, value, merge=False)
+    # Applied: the entry becomes empty, so validating this config again (the API does, after
+    # overrides) changes nothing that the scale or the command line set.
+    merged.scales = {scale: {}}
     return merged
 
 

@@ -122,6 +122,9 @@ def test_a_scale_is_the_recipes_own_table_and_the_command_line_still_wins():
     assert [s.name for s in smoke.stages] == ["sft", "grpo", "eval"] and smoke.stages[1].train["steps"] == 2
     mine = ptrain.compose("sft_grpo_arithmetic", ["scale=smoke", "train.steps=6", "model.d_model=64", "seed=5"])
     assert (mine.train.steps, mine.model.d_model, mine.seed) == (6, 64, 5)
+    # Validated again with more overrides (the API's path), the scale is not applied twice.
+    again = ptrain.api._with_overrides(mine, ["seed=7"])
+    assert (again.train.steps, again.model.d_model, again.seed, again.scales) == (6, 64, 7, {"smoke": {}})
     with pytest.raises(ptrain.ConfigError, match=r"recipe 'sft_arithmetic' has no scale 'huge'; it has tiny, smoke"):
         ptrain.compose("sft_arithmetic", ["scale=huge"])
     with pytest.raises(ptrain.ConfigError, match=r"recipe 'default' has no scale 'smoke'; it has tiny"):
