@@ -51,10 +51,15 @@ def test_wheel_install_imports_kernels_and_composes_recipes(tmp_path):
         assert f"ptrain/kernels/cpu/{source}" in names
     assert "ptrain/conf/config.yaml" in names and "ptrain/conf/recipe/sft_arithmetic.yaml" in names
     assert not any(n.startswith("kernels/") for n in names)  # no top-level `kernels` package
+    # Every package of the source tree is in the wheel (pyproject lists them by name).
+    for folder, _, files in os.walk(os.path.join(ROOT, "ptrain")):
+        if "__init__.py" in files and "__pycache__" not in folder:
+            rel = os.path.relpath(folder, ROOT).replace(os.sep, "/")
+            assert f"{rel}/__init__.py" in names, f"package {rel} is missing from pyproject's packages list"
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     probe = (
-        "import ptrain.kernels.moe, ptrain, os;"
+        "import ptrain.kernels.moe, ptrain, os, ptrain.stages.grpo, ptrain.serve, ptrain.stages.loop;"
         "assert ptrain.__file__.startswith(os.environ['SITE']), ptrain.__file__;"
         "from ptrain.kernels import cpu; assert all(p.is_file() for p in cpu.SOURCES + cpu.HEADERS);"
         "from hydra import compose, initialize_config_module;"
