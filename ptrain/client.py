@@ -387,7 +387,7 @@ class TrainingClient:
                         "per input token)"
                     )
                 if name == "target_tokens":
-                    self._check_ids(value.tolist(), f"datum {i}'s target_tokens")
+                    self._check_ids(value, f"datum {i}'s target_tokens")
                     batch["target_ids"][i, :n] = value.astype(np.int32)
                 else:
                     if not np.all(np.isfinite(value.astype(np.float64))):

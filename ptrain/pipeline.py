@@ -136,9 +136,9 @@ def run_stages(run: RunConfig, only: str | None = None) -> RunResult:
             continue
         sdir = stage_dir(run, stage.name)
         if is_done(sdir):
-            read_done(sdir)  # a damaged marker is an error here, before anything else runs
+            result = stage_result(run, stage)  # reads DONE.json: a damaged marker is an error here
             print(f"ptrain: stage '{stage.name}' already finished ({sdir}); skipping", flush=True)
-            results[stage.name] = stage_result(run, stage)
+            results[stage.name] = result
             continue
         cfg = stage_config(run, stage)
         init = initial_weights(run, i)
