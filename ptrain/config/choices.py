@@ -53,7 +53,7 @@ WEIGHT_DTYPES = ("bfloat16", "float32")
 WEIGHT_PUSH_MODES = ("stage", "drain", "abort", "pause")
 
 # --- data (data.*), used by ptrain.data
-SOURCE_KINDS = ("generated", "jsonl", "parquet", "arrow")
+SOURCE_KINDS = ("generated", "envs", "jsonl", "parquet", "arrow")
 FORMATS = ("auto", "chat", "prompt_completion", "preference")
 BAD_ROW_POLICIES = ("skip", "fail")
 TASK_OPS = ("+", "-", "*")

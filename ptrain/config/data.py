@@ -50,10 +50,39 @@ class GeneratedTaskConfig:
 
 
 @dataclass
+class EnvDataConfig:
+    """Knobs of source=envs: SFT rows written from the run's environments, each a task's
+    prompt and the environment's own demonstration of a correct response
+    (`demonstration(task)`: reasoning in <think>...</think>, then the answer in the format
+    its verifier rewards)."""
+
+    n_train: int = 2000
+    """Training rows (>= 1), drawn from the environments by their weights (envs.<name>.weight);
+    past an environment's n_train tasks its tasks repeat."""
+    n_eval: int = 16
+    """Held-out rows per environment (>= 0): demonstrations of its first held-out tasks."""
+    envs: list[str] = field(default_factory=list)
+    """Names of the environments (keys of `envs:`) to write rows from; empty: all of them."""
+
+
+@dataclass
+class ReasoningConfig:
+    """Nano's reasoning controls, taught by transforming training rows (ptrain/data/reasoning.py)."""
+
+    off: float = 0.0
+    """Share of training rows whose reasoning is removed (`<think></think>` then the answer),
+    so a prompt ending in `<think></think>` gets an answer without reasoning. Nano: 0.10."""
+    budget: float = 0.0
+    """Share of training rows whose reasoning is cut to a budget N stated in the user turn
+    (`{thinking token budget: N}`), the answer kept. Nano: 0.03."""
+
+
+@dataclass
 class DataConfig:
     source: str = "generated"
     """Where rows come from: generated (the embedded arithmetic task, written as JSONL into
-    the run directory) | jsonl | parquet | arrow (local files at train_path / eval_path;
+    the run directory) | envs (demonstrations of the run's environments' tasks, written as
+    JSONL into the run directory; see `envs` below) | jsonl | parquet | arrow (local files at train_path / eval_path;
     arrow reads a Hugging Face `datasets` cache or `save_to_disk` folder)."""
     train_path: str | None = None
     """Training data for source=jsonl|parquet|arrow (required there): a file; for parquet and
@@ -101,6 +130,10 @@ class DataConfig:
     """Grain worker processes; 0 runs the pipeline in-process (best for small data)."""
     generated: GeneratedTaskConfig = field(default_factory=GeneratedTaskConfig)
     """Embedded task knobs, used when source=generated."""
+    envs: EnvDataConfig = field(default_factory=EnvDataConfig)
+    """Environment demonstration knobs, used when source=envs."""
+    reasoning: ReasoningConfig = field(default_factory=ReasoningConfig)
+    """Reasoning-off and thinking-budget transforms of chat training rows (SFT stages)."""
 
 
 def _check(cond: bool, key: str, msg: str) -> None:
@@ -146,6 +179,19 @@ def validate_data_config(cfg: DataConfig) -> None:
             f"config key 'data.tokenizer_path': no tokenizer.json in '{cfg.tokenizer_path}'; pass a local "
             "Hugging Face tokenizer folder, or null for the embedded tokenizer (nothing is downloaded)"
         )
+    r = cfg.reasoning
+    _check(r.off >= 0, "reasoning.off", f"must be >= 0, got {r.off}; pass a share such as 0.1")
+    _check(r.budget >= 0, "reasoning.budget", f"must be >= 0, got {r.budget}; pass a share such as 0.03")
+    _check(
+        r.off + r.budget <= 1,
+        "reasoning.off",
+        f"reasoning.off + reasoning.budget is {r.off + r.budget}, above 1; lower either share",
+    )
+    if cfg.source == "envs":
+        e = cfg.envs
+        _check(e.n_train >= 1, "envs.n_train", f"must be >= 1, got {e.n_train}; pass a positive row count")
+        _check(e.n_eval >= 0, "envs.n_eval", f"must be >= 0, got {e.n_eval}; pass 0 for no held-out rows")
+        return
     if cfg.source == "generated":
         g = cfg.generated
         _check(g.n_train >= 1, "generated.n_train", f"must be >= 1, got {g.n_train}; pass a positive row count")

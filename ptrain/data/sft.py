@@ -37,6 +37,7 @@ from ptrain.data.grain_ops import (
     pad_to,
     shuffle_seed,
 )
+from ptrain.data.reasoning import ReasoningControls
 from ptrain.data.report import BadRowReport
 
 CONTRACT_KEYS = ("input_ids", "target_ids", "loss_mask", "segment_ids", "positions")
@@ -45,7 +46,17 @@ CONTRACT_KEYS = ("input_ids", "target_ids", "loss_mask", "segment_ids", "positio
 def sft_examples(
     cfg: DataConfig, tokenizer, *, seq_len: int, split: str = "train"
 ) -> tuple[TokenizedRows, BadRowReport]:
-    """Validated, tokenised SFT examples of one split (cached per process) and their bad-row report."""
+    """Validated, tokenised SFT examples of one split (cached per process) and their bad-row report.
+
+    Training rows carry the reasoning-off and thinking-budget transforms at the shares of
+    cfg.reasoning (ptrain/data/reasoning.py), chosen by the shuffle seed and row index."""
+    r = cfg.reasoning
+
+    def rows(source):
+        if split != "train" or not (r.off or r.budget):
+            return source
+        return ReasoningControls(source, tokenizer, off=r.off, budget=r.budget, seed=shuffle_seed(cfg))
+
     return cached_split(
         cfg,
         tokenizer,
@@ -53,7 +64,7 @@ def sft_examples(
         split=split,
         what="sft",
         tokenize=lambda source, name: tokenize_sft_rows(
-            source,
+            rows(source),
             tokenizer,
             fmt=cfg.format,
             seq_len=seq_len,
