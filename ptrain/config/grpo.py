@@ -93,6 +93,9 @@ class GRPOAlgoConfig(PolicyLossConfig):
     over their last seen pass rate p (None: uniform)."""
     pass_rate_width: float = 0.25
     """Width of that Gaussian (> 0)."""
+    pass_rate_target_end: float | None = None
+    """Where the target moves, linearly over the stage's steps (prompts_per_step draws a step),
+    e.g. 0.8 -> 0.2 moves from easy to hard prompts as Nemotron 3 Nano does; None: fixed."""
 
     # --- asynchrony ---
     mode: str = "sync"
@@ -174,6 +177,10 @@ def validate_grpo(cfg: GRPOAlgoConfig, check) -> None:
     c(cfg.pass_rate_target is None or 0 <= cfg.pass_rate_target <= 1, "algo.grpo.pass_rate_target",
       f"must be null or in [0, 1], got {cfg.pass_rate_target}")  # fmt: skip
     c(cfg.pass_rate_width > 0, "algo.grpo.pass_rate_width", f"must be > 0, got {cfg.pass_rate_width}")
+    c(cfg.pass_rate_target_end is None or 0 <= cfg.pass_rate_target_end <= 1, "algo.grpo.pass_rate_target_end",
+      f"must be null or in [0, 1], got {cfg.pass_rate_target_end}")  # fmt: skip
+    c(cfg.pass_rate_target_end is None or cfg.pass_rate_target is not None, "algo.grpo.pass_rate_target_end",
+      "a moving target needs its start: pass algo.grpo.pass_rate_target too (e.g. 0.8 -> 0.2)")  # fmt: skip
     c(cfg.max_staleness is None or cfg.max_staleness >= 0, "algo.grpo.max_staleness",
       f"must be null or >= 0, got {cfg.max_staleness}")  # fmt: skip
     c(cfg.max_staleness is None or cfg.mode == "async", "algo.grpo.max_staleness",

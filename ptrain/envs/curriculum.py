@@ -9,7 +9,10 @@ seen yet is always taken. With `drop_solved`, a task last solved by every sample
 (Nemotron 3 drops prompts the SFT model solves every time; DAPO's dynamic sampling drops
 such groups after sampling, this avoids sampling them). With `target`, a task with pass
 rate p is taken with probability exp(-(p - target)^2 / (2 width^2)): the Gaussian pass-rate
-schedule that keeps training on tasks of about that difficulty. Acceptance draws are seeded
+schedule that keeps training on tasks of about that difficulty. With `target_end` the target
+moves linearly from `target` to `target_end` over the first `schedule_draws` draws, and
+stays there: Nemotron 3 Nano's schedule moves it from easy (a high pass rate) to hard.
+Acceptance draws are seeded
 by (seed, draw count), so the order is a function of the seed and the recorded rates, and
 `get_state` carries both for an exact resume. After `max_tries` refusals in a row the next
 task is taken anyway, so selection never stalls a stage.
@@ -34,17 +37,27 @@ class Curriculum:
         drop_solved: bool = False,
         target: float | None = None,
         width: float = 0.25,
+        target_end: float | None = None,
+        schedule_draws: int = 0,
         seed: int = 0,
         max_tries: int = 64,
     ):
-        if target is not None and not 0 <= target <= 1:
-            raise ValueError(f"pass-rate target must be in [0, 1], got {target}")
+        for name, value in (("target", target), ("target_end", target_end)):
+            if value is not None and not 0 <= value <= 1:
+                raise ValueError(f"pass-rate {name} must be in [0, 1], got {value}")
+        if target_end is not None and (target is None or schedule_draws < 1):
+            raise ValueError(
+                f"a moving pass-rate target needs a start target and schedule_draws >= 1, got target={target} "
+                f"schedule_draws={schedule_draws}"
+            )
         if width <= 0:
             raise ValueError(f"pass-rate width must be > 0, got {width}")
         self.source = source
         self.drop_solved = drop_solved
         self.target = target
         self.width = width
+        self.target_end = target_end
+        self.schedule_draws = int(schedule_draws)
         self.seed = int(seed)
         self.max_tries = max_tries
         self.rates: dict[str, float] = {}
@@ -59,6 +72,13 @@ class Curriculum:
         """The share of correct samples in the task's latest group."""
         self.rates[self.key(task)] = float(pass_rate)
 
+    def current_target(self) -> float | None:
+        """The pass-rate target at the current draw count."""
+        if self.target is None or self.target_end is None:
+            return self.target
+        frac = min(self.draws / self.schedule_draws, 1.0)
+        return self.target + (self.target_end - self.target) * frac
+
     def _accept(self, task) -> bool:
         p = self.rates.get(self.key(task))
         if p is None:
@@ -66,8 +86,9 @@ class Curriculum:
         if self.drop_solved and p >= 1.0:
             self.stats["skipped_solved"] += 1
             return False
-        if self.target is not None:
-            weight = math.exp(-((p - self.target) ** 2) / (2 * self.width**2))
+        target = self.current_target()
+        if target is not None:
+            weight = math.exp(-((p - target) ** 2) / (2 * self.width**2))
             if np.random.default_rng([self.seed, self.draws]).random() > weight:
                 self.stats["skipped_schedule"] += 1
                 return False

@@ -62,3 +62,20 @@ def test_bad_settings_are_refused_and_selection_never_stalls():
     cur = Curriculum(Cycle(1), drop_solved=True, max_tries=3)
     cur.record(Task(env="e", id="0", messages=()), 1.0)
     assert cur.next_task()[1].id == "0"  # every task solved: taken after max_tries refusals
+
+
+def test_a_moving_target_shifts_selection_from_easy_to_hard_tasks():
+    cur = Curriculum(Cycle(2), target=0.9, target_end=0.1, schedule_draws=400, width=0.15, seed=5)
+    cur.record(Task(env="e", id="0", messages=()), 0.9)  # easy
+    cur.record(Task(env="e", id="1", messages=()), 0.1)  # hard
+    assert cur.current_target() == pytest.approx(0.9)
+    early = ids(cur, 40)
+    while cur.draws < 400:
+        cur.next_task()
+    assert cur.current_target() == pytest.approx(0.1)
+    late = ids(cur, 40)
+    assert early.count("0") >= 35 and late.count("1") >= 35
+    with pytest.raises(ValueError, match="schedule_draws"):
+        Curriculum(Cycle(2), target=0.9, target_end=0.1)
+    with pytest.raises(ValueError, match="target_end"):
+        Curriculum(Cycle(2), target=0.9, target_end=1.5, schedule_draws=10)

@@ -303,6 +303,9 @@ class RolloutBatches:
         m["clipped_trajectories"] = counts["clipped_trajectories"]
         for key, value in getattr(self.collector.tasks, "stats", {}).items():
             m[f"curriculum/{key}"] = float(value)
+        target = getattr(self.collector.tasks, "current_target", lambda: None)()
+        if target is not None:
+            m["curriculum/pass_rate_target"] = float(target)
         by_env: dict[str, list] = {}
         for t in trajectories:
             by_env.setdefault(t.task.env, []).append(t)
@@ -370,7 +373,8 @@ def run_grpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
     tasks = EnvMixture(list(envs.values()), [e.weight for e in configs], seed=seed)
     if cfg.drop_solved or cfg.pass_rate_target is not None:
         tasks = Curriculum(tasks, drop_solved=cfg.drop_solved, target=cfg.pass_rate_target,
-                           width=cfg.pass_rate_width, seed=seed)  # fmt: skip
+                           width=cfg.pass_rate_width, target_end=cfg.pass_rate_target_end,
+                           schedule_draws=max(run.train.steps * cfg.prompts_per_step, 1), seed=seed)  # fmt: skip
     placed = stage.placed
     engine = make_engine(run, placed.model_def, placed.state.params, placed.state.model_state, mesh=placed.mesh,
                          tokenizer=tokenizer, seed=seed, stage_dir=stage_dir)  # fmt: skip
