@@ -50,8 +50,8 @@ class PolicyLossConfig:
     entropy_coef: float = 0.0
     """Entropy bonus weight (>= 0)."""
     is_correction: str | None = None
-    """Engine-vs-trainer importance weight exp(old - engine): null | tis (truncated) | mis
-    (masked, IcePop / Nemotron)."""
+    """Engine-vs-trainer importance weight exp(old - engine): null | is (untruncated, Nemotron 3
+    Nano) | tis (truncated) | mis (masked, IcePop)."""
     is_level: str = "token"
     """token | sequence | geometric: where the weight is formed."""
     is_low: float = 0.0

@@ -23,6 +23,7 @@ Per-token policy term (`objective`):
 
 Engine-versus-trainer correction (`is_correction`; w = exp(old - eng), stop-gradient), per token,
 per sequence (exp of the sum) or geometric (exp of the mean over the sequence) by `is_level`:
+  is    w as it is (untruncated; Nemotron 3 Nano's released setting, with the sequence drop below)
   tis   w <- min(w, is_high)                                         truncated IS, Yao et al. 2025
                                                                      ("Your efficient RL framework secretly
                                                                      brings you off-policy RL training")
@@ -163,7 +164,10 @@ def _engine_correction(old, eng, mask, *, is_correction, is_level, is_low, is_hi
     else:
         log_w = _per_sequence(delta, mask, "sum" if is_level == "sequence" else "mean") * jnp.ones_like(delta)
     w_raw = jnp.exp(jnp.clip(log_w, -_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT))
-    if is_correction == "tis":
+    if is_correction == "is":
+        w = w_raw
+        is_masked = jnp.zeros_like(w)
+    elif is_correction == "tis":
         w = jnp.minimum(w_raw, is_high)
         is_masked = jnp.zeros_like(w)
     elif is_correction == "mis":

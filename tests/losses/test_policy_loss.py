@@ -258,6 +258,9 @@ def test_truncated_and_masked_importance_sampling_hand_values():
     np.testing.assert_allclose(aux.mult_prob_error, 2.25, rtol=1e-6)
     loss, aux = _is_case("mis", delta, is_low=0.5, is_high=2.0)
     np.testing.assert_allclose([loss, aux.frac_is_masked], [-0.75, 0.5], rtol=1e-6)
+    # is (untruncated): w = (3, 1.5), loss = -2.25 whatever the cap.
+    loss, aux = _is_case("is", delta, is_high=2.0)
+    np.testing.assert_allclose([loss, aux.frac_is_masked], [-2.25, 0.0], rtol=1e-6)
 
 
 def test_sequence_level_weights_and_sequence_drop():
@@ -398,7 +401,9 @@ def _numpy_reference(
             else:
                 term = -clipped * a * logp[i, t]
             w = np.exp(old[i, t] - eng[i, t])
-            if is_correction == "tis":
+            if is_correction == "is":
+                pass
+            elif is_correction == "tis":
                 w = min(w, is_high)
             elif is_correction == "mis":
                 w = w if is_low <= w <= is_high else 0.0
@@ -426,6 +431,7 @@ def _numpy_reference(
         ("ppo", "sequence", "seq_mean_token_sum", 3.0, None),
         ("ppo", "token", "seq_mean_token_sum_norm", None, "mis"),
         ("cispo", "token", "token_mean", None, "tis"),
+        ("ppo", "token", "token_mean", None, "is"),
         ("cispo", "sequence", "seq_mean_token_sum_norm", None, None),
     ],
 )
