@@ -7,6 +7,11 @@ temperature 0 the numbers are greedy pass@1.
 pass@k is the unbiased estimator of Chen et al. 2021 (arXiv 2107.03374): with n samples
 of which c are correct, pass@k = 1 - C(n - c, k) / C(n, k), averaged over tasks. A sample
 is correct when its `correct` reward component is 1 (else when its reward is > 0).
+
+Verbosity is split as Nemotron 3 Nano reports it: `reasoning_chars` (inside <think>...</think>)
+and `answer_chars` (the rest) of the policy's turns. An environment that declares no tools
+also reports `hallucinated_tool_calls`: the share of samples that call a tool anyway (a
+`<tool_call>` block), the failure Nano's DPO stage removes.
 """
 
 from __future__ import annotations
@@ -34,14 +39,51 @@ def is_correct(t: Trajectory) -> bool:
     return float(t.reward_components.get("correct", 1.0 if t.reward > 0 else 0.0)) >= 1.0
 
 
-def summarize(trajectories_by_task: Sequence[Sequence[Trajectory]], ks: Sequence[int]) -> dict[str, float]:
+THINK_OPEN, THINK_CLOSE, TOOL_CALL_OPEN = "<think>", "</think>", "<tool_call>"
+
+
+def policy_texts(t: Trajectory) -> list[str]:
+    return [turn.text for turn in t.turns if turn.role == "policy"]
+
+
+def reasoning_and_answer_chars(t: Trajectory) -> tuple[int, int]:
+    """Characters of reasoning (inside <think>...</think>; an unclosed <think> runs to the end)
+    and of answer (the rest) over the policy's turns."""
+    reasoning = answer = 0
+    for text in policy_texts(t):
+        start = text.find(THINK_OPEN)
+        end = text.find(THINK_CLOSE, max(start, 0))
+        if start >= 0 and end >= 0:
+            reasoning += end - start - len(THINK_OPEN)
+            answer += len(text) - (end - start) - len(THINK_CLOSE)
+        elif start >= 0:
+            reasoning += len(text) - start - len(THINK_OPEN)
+            answer += start
+        elif end >= 0:  # the prompt opened the reasoning
+            reasoning += end
+            answer += len(text) - end - len(THINK_CLOSE)
+        else:
+            answer += len(text)
+    return reasoning, answer
+
+
+def calls_a_tool(t: Trajectory) -> bool:
+    return any(TOOL_CALL_OPEN in text for text in policy_texts(t))
+
+
+def summarize(
+    trajectories_by_task: Sequence[Sequence[Trajectory]], ks: Sequence[int], *, declares_tools: bool = True
+) -> dict[str, float]:
     """Metrics of one environment from its tasks' sample lists."""
     flat = [t for ts in trajectories_by_task for t in ts]
     if not flat:
         return {}
+    split = np.asarray([reasoning_and_answer_chars(t) for t in flat], np.float64)
     out: dict[str, float] = {
         "reward": float(np.mean([t.reward for t in flat])),
         "response_length": float(np.mean([t.tokens.output for t in flat])),
+        "reasoning_chars": float(split[:, 0].mean()),
+        "answer_chars": float(split[:, 1].mean()),
         "truncated_frac": float(np.mean([t.finish_reason in ("length", "token_limit") for t in flat])),
         "reward_errors": float(sum(t.reward_error is not None for t in flat)),
         "env_errors": float(sum(t.error is not None for t in flat)),
@@ -49,6 +91,8 @@ def summarize(trajectories_by_task: Sequence[Sequence[Trajectory]], ks: Sequence
         "tokens_prompt_cached": float(sum(t.tokens.prompt_cached for t in flat)),
         "tokens_output": float(sum(t.tokens.output for t in flat)),
     }
+    if not declares_tools:
+        out["hallucinated_tool_calls"] = float(np.mean([calls_a_tool(t) for t in flat]))
     for k in ks:
         vals = [pass_at_k(len(ts), sum(map(is_correct, ts)), k) for ts in trajectories_by_task if len(ts) >= k]
         if vals:
@@ -67,6 +111,14 @@ async def _rollouts(env: Environment, tasks, engine, sampling: SamplingParams, s
 
     coros = [env.rollout(t, engine, dataclasses.replace(sampling, sampling_seed=seed + i)) for i, t in enumerate(tasks)]
     return await asyncio.gather(*coros)
+
+
+def declares_tools(env: Environment) -> bool:
+    """Whether the environment may offer the policy tools: any but a single-turn kind (those
+    answer in one turn and declare none)."""
+    from ptrain.envs.single_turn import SingleTurnEnv
+
+    return not isinstance(env, SingleTurnEnv)
 
 
 def evaluate_envs(
@@ -99,7 +151,7 @@ def evaluate_envs(
                     f"every one of the {len(flat)} {prefix.rstrip('/') or 'greedy'} episodes of environment "
                     f"'{name}' failed, the first with: {flat[0].error}"
                 )
-            summary = summarize(results, ks)
+            summary = summarize(results, ks, declares_tools=declares_tools(env))
             if prefix:
                 summary["accuracy"] = float(np.mean([is_correct(t) for t in flat])) if flat else 0.0
             for key, value in summary.items():

@@ -1,0 +1,49 @@
+"""Evaluation metrics that read the policy's text: Nano's verbosity split and hallucinated tool calls."""
+
+import pytest
+
+from ptrain.envs.base import Task, Trajectory, Turn
+from ptrain.stages.env_metrics import calls_a_tool, reasoning_and_answer_chars, summarize
+
+
+def traj(*texts: str, reward: float = 1.0) -> Trajectory:
+    turns = tuple(Turn(role="policy", start=i, end=i + 1, text=t) for i, t in enumerate(texts))
+    n = len(texts)
+    return Trajectory(
+        task=Task(env="e", id="t", messages=()),
+        sample_index=0,
+        token_ids=tuple(range(n + 1)),
+        prompt_length=1,
+        loss_mask=(0,) + (1,) * n,
+        logprobs=(0.0,) + (-0.5,) * n,
+        reward=reward,
+        turns=turns,
+    )
+
+
+@pytest.mark.parametrize(
+    "text,reasoning,answer",
+    [
+        ("<think>abcd</think>xyz", 4, 3),
+        ("<think></think>xyz", 0, 3),
+        ("<think>never closed", 12, 0),
+        ("ab</think>cd", 2, 2),  # the prompt opened the reasoning
+        ("just an answer", 0, 14),
+    ],
+)
+def test_reasoning_and_answer_are_counted_apart(text, reasoning, answer):
+    assert reasoning_and_answer_chars(traj(text)) == (reasoning, answer)
+
+
+def test_turns_add_up_and_tool_calls_are_seen_in_any_turn():
+    t = traj("<think>ab</think>c", '<tool_call>{"name": "x"}</tool_call>')
+    assert reasoning_and_answer_chars(t)[0] == 2
+    assert calls_a_tool(t) and not calls_a_tool(traj("<think>a</think>b"))
+
+
+def test_summary_reports_hallucinated_calls_only_where_no_tools_are_declared():
+    groups = [[traj("<think>ab</think>4"), traj('<tool_call>{"name": "calculator"}</tool_call>', reward=0.0)]]
+    free = summarize(groups, [1], declares_tools=False)
+    assert free["hallucinated_tool_calls"] == 0.5
+    assert free["reasoning_chars"] == 1.0 and free["answer_chars"] == pytest.approx((1 + 45) / 2)
+    assert "hallucinated_tool_calls" not in summarize(groups, [1], declares_tools=True)
