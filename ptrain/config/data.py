@@ -69,7 +69,7 @@ class EnvDataConfig:
 class ReasoningConfig:
     """Nano's reasoning controls, taught by transforming training rows (ptrain/data/reasoning.py)."""
 
-    off: float = 0.0
+    strip: float = 0.0
     """Share of training rows whose reasoning is removed (`<think></think>` then the answer),
     so a prompt ending in `<think></think>` gets an answer without reasoning. Nano: 0.10."""
     budget: float = 0.0
@@ -180,12 +180,12 @@ def validate_data_config(cfg: DataConfig) -> None:
             "Hugging Face tokenizer folder, or null for the embedded tokenizer (nothing is downloaded)"
         )
     r = cfg.reasoning
-    _check(r.off >= 0, "reasoning.off", f"must be >= 0, got {r.off}; pass a share such as 0.1")
+    _check(r.strip >= 0, "reasoning.strip", f"must be >= 0, got {r.strip}; pass a share such as 0.1")
     _check(r.budget >= 0, "reasoning.budget", f"must be >= 0, got {r.budget}; pass a share such as 0.03")
     _check(
-        r.off + r.budget <= 1,
-        "reasoning.off",
-        f"reasoning.off + reasoning.budget is {r.off + r.budget}, above 1; lower either share",
+        r.strip + r.budget <= 1,
+        "reasoning.strip",
+        f"reasoning.strip + reasoning.budget is {r.strip + r.budget}, above 1; lower either share",
     )
     if cfg.source == "envs":
         e = cfg.envs

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from ptrain.config import choices as C
@@ -125,7 +125,18 @@ def to_run_config(cfg: DictConfig | dict, overrides: Sequence[str] = ()) -> RunC
     """
     try:
         merged = OmegaConf.merge(OmegaConf.structured(RunConfig), cfg)
+        before = merged
         merged = apply_scale(merged, overrides)
+        missing = sorted(OmegaConf.missing_keys(merged))
+        if missing:
+            # Every value the launch must give, at once (a published scale leaves several); a
+            # key only the scale has is new to Hydra's command line, which wants it with "+".
+            absent = object()
+            plus = ["+" if OmegaConf.select(before, k, default=absent) is absent else "" for k in missing]
+            raise ConfigError(
+                f"config key{'s' if len(missing) > 1 else ''} {', '.join(repr(k) for k in missing)}: no value "
+                f"given (??? in the config); pass {' '.join(p + k + '=...' for p, k in zip(plus, missing))}"
+            )
         run: RunConfig = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise ConfigError(explain_omegaconf_error(e)) from None
@@ -148,6 +159,8 @@ def apply_scale(merged: DictConfig, overrides: Sequence[str] = ()) -> DictConfig
     applied again on top (group choices such as model=hf were applied by the composition)."""
     scale, scales = merged.scale, merged.scales
     if scale == BASE_SCALE and BASE_SCALE not in scales:
+        # The other scales stay unread: one may hold values only its launch can give ("???").
+        merged.scales = {}
         return merged
     if scale not in scales:
         have = ", ".join([BASE_SCALE, *[k for k in scales if k != BASE_SCALE]])
@@ -155,7 +168,20 @@ def apply_scale(merged: DictConfig, overrides: Sequence[str] = ()) -> DictConfig
             f"config key 'scale': recipe '{merged.name}' has no scale '{scale}'; it has {have} "
             "(its `scales` table; tiny is the recipe as written)"
         )
-    merged = OmegaConf.merge(merged, scales[scale])
+    # A scale may add map entries (an environment of its own); the typed nodes still refuse
+    # unknown keys, since their schema does, not the struct flag.
+    with open_dict(merged):
+        kinds = {name: env.kind for name, env in merged.envs.items()}
+        merged = OmegaConf.merge(merged, scales[scale])
+        # An environment the scale gives another kind takes the scale's options alone: the
+        # old kind's options mean nothing to the new one.
+        for name, env in scales[scale].get("envs", {}).items():
+            if name in kinds and env.get("kind", kinds[name]) != kinds[name]:
+                merged.envs[name].options = env.get("options", {})
+        # A merge keeps a set value under "???"; the scale means it: the launch must give it.
+        for key in OmegaConf.missing_keys(scales[scale]):
+            OmegaConf.update(merged, key.removeprefix(f"scales.{scale}."), "???", merge=False)
+    OmegaConf.set_struct(merged, True)
     for key, value in plain_overrides(overrides):
         OmegaConf.update(merged, key, value, merge=False)
     # Applied: the entry becomes empty, so validating this config again (the API does, after
@@ -552,6 +578,12 @@ def _validate_values(run: RunConfig, where: str = "") -> None:
         validate_data_config(run.data)
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(f"{where}{e}") from None
+    if run.data.source == "envs":
+        unknown = [n for n in run.data.envs.envs if n not in run.envs]
+        c(not unknown, "data.envs.envs", f"names {unknown}, which are not environments of the run "
+          f"(envs: {sorted(run.envs)}); pass names from envs:, or [] for all of them")  # fmt: skip
+        c(bool(run.envs), "data.source", "source=envs writes rows from the run's environments and it has none; "
+          "add env=<kind> (or an envs: entry), or pick another data.source")  # fmt: skip
 
 
 def _is_http_url(url: Any) -> bool:

@@ -3,7 +3,7 @@
 An assistant turn writes its reasoning in `<think>...</think>` and then its answer. Nano's
 SFT (arXiv 2512.20848 §3.1) teaches two controls with two transforms of the training rows:
 
-- **reasoning off** (share `off`, Nano 0.10): the reasoning is removed, leaving
+- **reasoning off** (share `strip`, Nano 0.10): the reasoning is removed, leaving
   `<think></think>` and the answer. At inference a prompt whose generation prompt ends in
   `<think></think>` then gets an answer without reasoning.
 - **budget** (share `budget`, Nano 0.03): the reasoning is cut to its first N tokens, N
@@ -16,7 +16,7 @@ Which rows change is a function of (seed, row index) alone, so a resumed stage a
 process see the same data. Rows whose last assistant turn holds no closed `<think>` block
 are left as they are. Held-out rows are never transformed.
 
-    rows = ReasoningControls(source, tokenizer, off=0.10, budget=0.03, seed=0)
+    rows = ReasoningControls(source, tokenizer, strip=0.10, budget=0.03, seed=0)
     rows[i]                                    # source[i], maybe transformed
 """
 
@@ -89,11 +89,11 @@ class ReasoningControls:
     """A row source (len, [], where) whose chat rows carry the reasoning-off and budget
     transforms at the given shares; see the module docstring."""
 
-    def __init__(self, source, tokenizer, *, off: float, budget: float, seed: int):
-        if not (0 <= off and 0 <= budget and off + budget <= 1):
-            raise ValueError(f"reasoning shares off={off} budget={budget} must be >= 0 with a sum <= 1")
+    def __init__(self, source, tokenizer, *, strip: float, budget: float, seed: int):
+        if not (0 <= strip and 0 <= budget and strip + budget <= 1):
+            raise ValueError(f"reasoning shares strip={strip} budget={budget} must be >= 0 with a sum <= 1")
         self.source, self.tokenizer = source, tokenizer
-        self.off, self.budget, self.seed = float(off), float(budget), int(seed)
+        self.strip, self.budget, self.seed = float(strip), float(budget), int(seed)
         for name in ("path", "name"):
             if hasattr(source, name):
                 setattr(self, name, getattr(source, name))
@@ -108,7 +108,7 @@ class ReasoningControls:
         """("off" | "budget" | "keep", the row's generator) for row `index`."""
         rng = np.random.default_rng([self.seed, int(index)])
         u = rng.random()
-        return ("off" if u < self.off else "budget" if u < self.off + self.budget else "keep"), rng
+        return ("off" if u < self.strip else "budget" if u < self.strip + self.budget else "keep"), rng
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         row = self.source[index]

@@ -53,9 +53,9 @@ def sft_examples(
     r = cfg.reasoning
 
     def rows(source):
-        if split != "train" or not (r.off or r.budget):
+        if split != "train" or not (r.strip or r.budget):
             return source
-        return ReasoningControls(source, tokenizer, off=r.off, budget=r.budget, seed=shuffle_seed(cfg))
+        return ReasoningControls(source, tokenizer, strip=r.strip, budget=r.budget, seed=shuffle_seed(cfg))
 
     return cached_split(
         cfg,

@@ -285,6 +285,11 @@ def open_split(cfg: DataConfig, split: str):
         raise ValueError(f"unknown split '{split}'; pass train or eval")
     if cfg.source == "generated":
         return ListSource(generated_records(cfg, split), name=f"generated {split}")
+    if cfg.source == "envs":
+        raise ValueError(
+            "data.source=envs rows are written from the environments by the stage "
+            "(ptrain.stages.setup.stage_data); open the JSONL config it returns"
+        )
     path = cfg.train_path if split == "train" else cfg.eval_path
     if path is None:
         raise ValueError(f"no data.{split}_path is set, so there is no {split} split; pass data.{split}_path=FILE")

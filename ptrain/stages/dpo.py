@@ -9,7 +9,6 @@ carries one model instead of two.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 
@@ -20,12 +19,11 @@ from ptrain.config import RunConfig
 from ptrain.config.choices import REFERENCE_FREE_KINDS
 from ptrain.data.preference import make_preference_iterator, make_preference_pass
 from ptrain.data.prompts import make_eval_prompts
-from ptrain.data.sources import write_generated
 from ptrain.parallel import batch_sharding
 from ptrain.stages.heldout import ExactMatchEvaluator
 from ptrain.stages.loop import Algorithm, IteratorBatches, train_evaluate_export
 from ptrain.stages.policy_pairs import policy_pairs_data
-from ptrain.stages.setup import setup_stage, tokenizer_for
+from ptrain.stages.setup import setup_stage, stage_data, tokenizer_for
 from ptrain.train.objectives import dpo_denominator, finalize_metrics, make_dpo_objective, pair_logprobs
 from ptrain.train.state import ModelDef
 
@@ -120,7 +118,7 @@ def run_dpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict
             "set data: {format: preference} in the stage (rows need prompt, chosen and rejected)"
         )
     tokenizer = tokenizer_for(run, init_path)
-    data_cfg = write_generated(run.data, os.path.join(run.run_dir, "data"))
+    data_cfg = stage_data(run, tokenizer)
     t, algo = run.train, run.algo.dpo
     needs_ref = algo.kind not in REFERENCE_FREE_KINDS
     in_step_ref = needs_ref and not algo.precompute_reference

@@ -54,6 +54,45 @@ def tokenizer_for(run: RunConfig, init_path: str | None):
     )
 
 
+def stage_data(run: RunConfig, tokenizer) -> Any:
+    """The stage's data config with generated rows written as JSONL into <run_dir>/data:
+    the embedded arithmetic task (source=generated) or the environments' demonstrations
+    (source=envs, ptrain/envs/demonstrations.py). Other sources pass through."""
+    from ptrain.data.sources import write_generated
+
+    out_dir = os.path.join(run.run_dir, "data")
+    if run.data.source != "envs":
+        return write_generated(run.data, out_dir)
+    import dataclasses
+
+    from ptrain.config import ConfigError
+    from ptrain.data.tasks import write_jsonl
+
+    if run.data.format == "preference":
+        raise ConfigError(
+            "config key 'data.source': source=envs writes chat demonstrations, and this stage reads preference "
+            "pairs (data.format=preference); give the stage a preference source (e.g. data.source=jsonl with "
+            "data.train_path=pairs.jsonl, or algo.dpo.policy_pairs)"
+        )
+    from ptrain.envs.demonstrations import demonstration_rows
+    from ptrain.envs.registry import close_envs, make_env
+
+    d = run.data.envs
+    configs = [run.envs[n] for n in (d.envs or sorted(run.envs))]
+    envs = {e.env_name: make_env(e, tokenizer=tokenizer, sandbox=run.sandbox) for e in configs}
+    try:
+        train, held = demonstration_rows(list(envs.values()), [e.weight for e in configs], n_train=d.n_train,
+                                         n_eval=d.n_eval, seed=component_seed(run, "train.seed"))  # fmt: skip
+    finally:
+        close_envs(envs)
+    # Same rows as on disk (a resumed run): the files stay untouched, so their mtimes do.
+    paths = {split: write_jsonl(rows, os.path.join(out_dir, f"envs_{split}.jsonl"), if_changed=True)
+             for split, rows in (("train", train), ("eval", held))}  # fmt: skip
+    return dataclasses.replace(
+        run.data, source="jsonl", format="chat", train_path=paths["train"], eval_path=paths["eval"] if held else None
+    )
+
+
 def ensure_base_model(run: RunConfig, tokenizer) -> str:
     """The embedded tiny model as a Hugging Face folder in <run_dir>/base_model (built once).
 

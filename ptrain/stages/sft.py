@@ -6,7 +6,6 @@ stages/setup.py, stages/loop.py, data/, train/ and models/.
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
@@ -14,10 +13,9 @@ import numpy as np
 from ptrain.config import RunConfig
 from ptrain.data.prompts import make_eval_prompts
 from ptrain.data.sft import make_sft_iterator
-from ptrain.data.sources import write_generated
 from ptrain.stages.heldout import ExactMatchEvaluator, heldout_loss_evaluator
 from ptrain.stages.loop import Algorithm, IteratorBatches, train_evaluate_export
-from ptrain.stages.setup import setup_stage, tokenizer_for
+from ptrain.stages.setup import setup_stage, stage_data, tokenizer_for
 from ptrain.train.objectives import finalize_metrics, make_sft_objective, sft_denominator
 from ptrain.train.state import ModelDef
 
@@ -40,7 +38,7 @@ def run_sft_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict
     """Run (or resume) one SFT stage; returns its summary (final metrics) after export."""
     t_start = time.time()
     tokenizer = tokenizer_for(run, init_path)
-    data_cfg = write_generated(run.data, os.path.join(run.run_dir, "data"))
+    data_cfg = stage_data(run, tokenizer)
     t = run.train
     train_iter = make_sft_iterator(
         data_cfg, tokenizer, batch_size=t.global_batch_size, seq_len=t.seq_len, seed=data_cfg.shuffle_seed

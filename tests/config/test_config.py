@@ -226,3 +226,16 @@ def test_max_staleness_is_refused_in_sync_mode_and_defaults_to_one_in_async_mode
     assert staleness_bound(zero) == 0 and groups_ahead(zero) == 4
     with pytest.raises(ConfigError, match="algo.grpo.max_staleness': must be null or >= 0, got -1"):
         to_run_config(composed(*grpo, "algo.grpo.mode=async", "algo.grpo.max_staleness=-1"))
+
+
+def test_a_moving_curriculum_target_needs_its_start_and_env_data_names_real_environments():
+    with pytest.raises(ConfigError, match="pass_rate_target_end': a moving target needs its start"):
+        to_run_config(composed("algo.grpo.pass_rate_target_end=0.2"))
+    with pytest.raises(ConfigError, match="pass_rate_target_end': must be null or in"):
+        to_run_config(composed("algo.grpo.pass_rate_target=0.8", "algo.grpo.pass_rate_target_end=2"))
+    moving = to_run_config(composed("algo.grpo.pass_rate_target=0.8", "algo.grpo.pass_rate_target_end=0.2"))
+    assert moving.algo.grpo.pass_rate_target_end == 0.2
+    with pytest.raises(ConfigError, match=r"data.envs.envs': names \['nope'\]"):
+        to_run_config(composed("data.source=envs", "data.envs.envs=[nope]"))
+    with pytest.raises(ConfigError, match="data.reasoning.strip"):
+        to_run_config(composed("data.reasoning.strip=1.5"))

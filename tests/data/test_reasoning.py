@@ -64,13 +64,13 @@ def test_budget_needs_two_reasoning_tokens_and_a_user_turn(tokenizer):
 
 def test_controls_pick_rows_by_seed_and_index_at_the_given_shares(tokenizer):
     rows = ListSource([{"messages": convo()} for _ in range(4000)])
-    rc = ReasoningControls(rows, tokenizer, off=0.10, budget=0.03, seed=7)
+    rc = ReasoningControls(rows, tokenizer, strip=0.10, budget=0.03, seed=7)
     picks = [rc.choice(i)[0] for i in range(len(rows))]
     assert abs(picks.count("off") / 4000 - 0.10) < 0.015
     assert abs(picks.count("budget") / 4000 - 0.03) < 0.01
-    again = ReasoningControls(rows, tokenizer, off=0.10, budget=0.03, seed=7)
+    again = ReasoningControls(rows, tokenizer, strip=0.10, budget=0.03, seed=7)
     assert [again[i] for i in range(50)] == [rc[i] for i in range(50)]
-    other = ReasoningControls(rows, tokenizer, off=0.10, budget=0.03, seed=8)
+    other = ReasoningControls(rows, tokenizer, strip=0.10, budget=0.03, seed=8)
     assert [other.choice(i)[0] for i in range(400)] != picks[:400]
     for i, what in enumerate(picks[:300]):
         content = rc[i]["messages"][-1]["content"]
@@ -85,17 +85,17 @@ def test_controls_pick_rows_by_seed_and_index_at_the_given_shares(tokenizer):
 
 def test_controls_leave_rows_they_cannot_read_for_the_row_checks(tokenizer):
     rows = ListSource([{"messages": "not a list"}, {"prompt": "p", "completion": "c"}])
-    rc = ReasoningControls(rows, tokenizer, off=1.0, budget=0.0, seed=0)
+    rc = ReasoningControls(rows, tokenizer, strip=1.0, budget=0.0, seed=0)
     assert rc[0] == rows[0] and rc[1] == rows[1]
     with pytest.raises(ValueError, match="sum <= 1"):
-        ReasoningControls(rows, tokenizer, off=0.8, budget=0.3, seed=0)
+        ReasoningControls(rows, tokenizer, strip=0.8, budget=0.3, seed=0)
 
 
 def test_config_rejects_shares_that_cannot_work():
-    with pytest.raises(ValueError, match="data.reasoning.off"):
-        validate_data_config(DataConfig(reasoning=ReasoningConfig(off=-0.1)))
+    with pytest.raises(ValueError, match="data.reasoning.strip"):
+        validate_data_config(DataConfig(reasoning=ReasoningConfig(strip=-0.1)))
     with pytest.raises(ValueError, match="above 1"):
-        validate_data_config(DataConfig(reasoning=ReasoningConfig(off=0.6, budget=0.5)))
+        validate_data_config(DataConfig(reasoning=ReasoningConfig(strip=0.6, budget=0.5)))
 
 
 def test_sft_pipeline_trains_on_transformed_rows_and_holds_out_the_originals(tmp_path, tokenizer):
@@ -103,7 +103,7 @@ def test_sft_pipeline_trains_on_transformed_rows_and_holds_out_the_originals(tmp
     for split in ("train", "eval"):
         (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     plain = DataConfig(source="jsonl", train_path=str(tmp_path / "train.jsonl"), eval_path=str(tmp_path / "eval.jsonl"))
-    off = DataConfig(**{**plain.__dict__, "reasoning": ReasoningConfig(off=1.0)})
+    off = DataConfig(**{**plain.__dict__, "reasoning": ReasoningConfig(strip=1.0)})
     base, _ = sft_examples(plain, tokenizer, seq_len=128)
     cut, _ = sft_examples(off, tokenizer, seq_len=128)
     assert all(len(cut[i]["tokens"]) < len(base[i]["tokens"]) for i in range(len(cut)))
