@@ -239,3 +239,17 @@ def test_a_moving_curriculum_target_needs_its_start_and_env_data_names_real_envi
         to_run_config(composed("data.source=envs", "data.envs.envs=[nope]"))
     with pytest.raises(ConfigError, match="data.reasoning.strip"):
         to_run_config(composed("data.reasoning.strip=1.5"))
+
+
+def test_nemotron_like_published_scale_names_every_value_its_launch_must_give():
+    """Nano's settings compose without the model, the fleet or the data present; validating
+    them names each missing value, with "+" where the key is one only the scale adds."""
+    args = ["recipe=nemotron_like", "scale=published"]
+    cfg = composed(*args)
+    assert cfg.scales.published.algo.grpo.prompts_per_step == 128
+    with pytest.raises(ConfigError) as e:
+        to_run_config(cfg, args)
+    msg = str(e.value)
+    for key in ("model.hf_path=...", "data.train_path=...", "+envs.math.options.url=...", "+envs.code.options.rows="):
+        assert key in msg
+    assert "+model.hf_path" not in msg

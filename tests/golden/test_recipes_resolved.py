@@ -26,7 +26,8 @@ def scales_of(name: str) -> list[str]:
     return ["tiny", *sorted(cfg.scales)]
 
 
-CASES = [(name, scale) for name in RECIPES for scale in scales_of(name)]
+# A published scale needs the launch's paths and URLs (tests/config checks it names them).
+CASES = [(name, scale) for name in RECIPES for scale in scales_of(name) if scale != "published"]
 
 
 @pytest.mark.parametrize("name, scale", CASES)
