@@ -20,6 +20,10 @@ token: under the tempered full-vocabulary softmax (`logprobs`: what a policy los
 for that token) and under the filtered distribution sampled from (`sampling_logprobs`).
 Greedy decoding (temperature == 0) picks argmax and reports the untempered softmax's
 log-prob for both (a point mass would say 0 for every token).
+
+A thinking budget (`SamplingParams.thinking_budget`) is the serving engine's: `sample_rows`
+takes forced tokens and `think_end_match` tracks the end-of-thinking sequence there. Static
+generation has no budget; it serves tests and the batching baseline, not reasoning evals.
 """
 
 from __future__ import annotations
@@ -176,7 +180,8 @@ def draw_tokens(z_BxV: jax.Array, u_B: jax.Array) -> tuple[jax.Array, jax.Array]
     return (blk * SAMPLE_BLOCK + j).astype(jnp.int32), m + jnp.log(mass[:, -1])
 
 
-def sample_rows(logits_BxV, keys_B, temperature_B, top_k_B, top_p_B, min_p_B, *, filtering: bool | None = None):
+def sample_rows(logits_BxV, keys_B, temperature_B, top_k_B, top_p_B, min_p_B, *, filtering: bool | None = None,
+                forced_B: jax.Array | None = None):  # fmt: skip
     """One sampling step per row: (token ids [B] int32, log-prob under the tempered full
     softmax [B], log-prob under the filtered distribution sampled from [B]), float32.
 
@@ -185,6 +190,12 @@ def sample_rows(logits_BxV, keys_B, temperature_B, top_k_B, top_p_B, min_p_B, *,
     min-p filter, when the caller knows (`filters`): False skips the cutoff search, True
     always runs it, None decides on device with lax.cond. A caller that knows should say: at
     V=151936 XLA:CPU ran the whole step about 6x slower with a [B, V] operand going into a cond.
+
+    forced_B: int32 [B], a token id that row b takes instead of drawing one, or -1 to draw
+    (a thinking budget's end-of-thinking tokens). A forced token's two log-probs are both its
+    log-prob under the tempered full softmax: it was not drawn from any truncated distribution,
+    and the trainer recomputes exactly that number, so its importance ratio stays 1. None
+    traces the plain step.
     """
     x = logits_BxV.astype(jnp.float32)
     greedy = temperature_B <= 0.0
@@ -208,10 +219,35 @@ def sample_rows(logits_BxV, keys_B, temperature_B, top_k_B, top_p_B, min_p_B, *,
     tok = jax.lax.cond(
         jnp.any(greedy), lambda: jnp.where(greedy, jnp.argmax(x, axis=-1).astype(jnp.int32), drawn), lambda: drawn
     )
+    if forced_B is not None:
+        tok = jnp.where(forced_B >= 0, forced_B, tok)
     lse_full = lse_filtered if filtering is False else jax.nn.logsumexp(z, axis=-1)
     lp_full = jnp.take_along_axis(z, tok[:, None], axis=-1)[:, 0] - lse_full
     lp_filtered = jnp.take_along_axis(filtered, tok[:, None], axis=-1)[:, 0] - lse_filtered
-    return tok, lp_full, jnp.where(greedy, lp_full, lp_filtered)
+    one_lp = greedy if forced_B is None else greedy | (forced_B >= 0)  # rows whose two log-probs agree
+    return tok, lp_full, jnp.where(one_lp, lp_full, lp_filtered)
+
+
+def think_end_match(recent_BxM: jax.Array, end_ids_BxM: jax.Array, end_len_B: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """How far each row's last tokens have got into its end-of-thinking sequence.
+
+    recent_BxM: the row's last M generated tokens, oldest first, -1 where there are fewer;
+    end_ids_BxM: its end-of-thinking ids, left-aligned, end_len_B of them (-1 after).
+    Returns (partial_B, closed_B): the longest k < end_len with recent[-k:] == end_ids[:k]
+    (the KMP state: how many end tokens a forced completion may skip), and whether
+    recent[-end_len:] == end_ids[:end_len] (the sequence was just completed). [B, M, M]
+    compares; M is small.
+    """
+    M = recent_BxM.shape[1]
+    k_K = jnp.arange(1, M + 1, dtype=jnp.int32)
+    i_I = jnp.arange(M, dtype=jnp.int32)
+    idx_KxI = jnp.clip(M - k_K[:, None] + i_I[None, :], 0, M - 1)
+    window_BxKxI = recent_BxM[:, idx_KxI]
+    ok = (window_BxKxI == end_ids_BxM[:, None, :]) | (i_I[None, None, :] >= k_K[None, :, None])
+    match_BxK = jnp.all(ok, axis=-1)
+    closed = jnp.any(match_BxK & (k_K[None, :] == end_len_B[:, None]), axis=-1) & (end_len_B > 0)
+    partial = jnp.max(jnp.where(match_BxK & (k_K[None, :] < end_len_B[:, None]), k_K[None, :], 0), axis=-1)
+    return partial, closed
 
 
 def _filtering_rows(temperature, top_k, top_p, min_p, vocab_size: int):

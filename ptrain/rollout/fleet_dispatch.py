@@ -12,7 +12,9 @@ number; SGLang reports one log-prob a token, so `sampling_logprobs` equals `logp
 `finish_reason`, `weight_version`, cached tokens. A request without `sampling_seed` gets one
 from this engine's seeded generator, so a re-issued request samples what the first would have.
 The model's end-of-sequence ids (`eos_token_ids`) join each request's stop_token_ids unless it
-sets ignore_eos, as LocalEngine stops on them. `on_update`, if given, is called once with the
+sets ignore_eos, as LocalEngine stops on them. A thinking budget also goes as the top-level
+`max_thinking_tokens`, which SGLang enforces (with --enable-strict-thinking) or refuses, where
+`custom_params.thinking_budget` alone would be ignored. `on_update`, if given, is called once with the
 finished samples (the client does not stream).
 
 Routing. Without a router the client spreads requests itself: each goes to the worker in
@@ -218,6 +220,8 @@ class FleetDispatch:
         }
         if call.request.return_prompt_logprobs_from is not None:
             body["logprob_start_len"] = call.request.return_prompt_logprobs_from
+        if call.sampling.thinking_budget is not None:
+            body["max_thinking_tokens"] = call.sampling.thinking_budget
         return body
 
     def _samples(self, call: Call, answer: Any) -> list[Sample]:

@@ -25,7 +25,25 @@ everything before it.
 
 Compiles: decode once per (row bucket, key-length bucket), extend once per (chunk bucket,
 key-length bucket), powers of two; weights, sampling settings and stop tokens are traced
-arguments, so weight swaps and new requests never recompile.
+arguments, so weight swaps and new requests never recompile. A decode call in which some
+running sample has an open thinking budget runs a second program (per bucket) that also
+carries the forcing state; without one, the plain program runs.
+
+Thinking budget (`SamplingParams.thinking_budget` = B, `think_end_ids` = the tokenizer's
+`</think>`; Nemotron 3 Nano's budget control, arXiv 2512.20856 §2.7). A sample's reasoning
+is open until its generated tokens contain think_end_ids; the prompt does not count (a
+reasoning-off prompt already ending in `</think>` should carry no budget). From output token
+B on, an open sample takes the next token of think_end_ids instead of a draw, continuing
+from however far its last tokens already reach into the sequence (the model's own `</`, as
+SGLang's strict-thinking grammar does), until the sequence is complete; then it samples the
+answer as before. The forcing runs inside the jitted multi-step decode: per row the budget,
+the end ids and the last MAX_THINK_END_IDS output tokens go in, and the loop carries how far
+into the sequence each row is and whether it has closed, so decode_steps > 1 needs no early
+exit. A forced token still advances the sample's PRNG counter t, so later tokens use the
+keys of their positions. Recorded for a forced token: `logprobs` is log softmax(logits / T)
+at it (temperature 0: the untempered softmax), what the trainer computes for the same token,
+so its importance ratio stays 1; `sampling_logprobs` is the same number (it was not drawn
+from a truncated distribution).
 
 Sampling randomness: sample j of a request with seed s draws token t with key
 fold_in(fold_in(key(s), j), t), whatever else runs (`ptrain.models.generate.sample_key`);
@@ -58,8 +76,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ptrain.models.generate import base_keys, filters, sample_key, sample_rows
+from ptrain.models.generate import base_keys, filters, sample_key, sample_rows, think_end_match
 from ptrain.rollout.protocol import (
+    MAX_THINK_END_IDS,
     SWAP_MODES,
     EngineBase,
     FinishReason,
@@ -72,6 +91,8 @@ from ptrain.rollout.protocol import (
 log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+NO_BUDGET = np.iinfo(np.int32).max
+"""A row's thinking budget when it has none, or its reasoning has closed: never reached."""
 
 
 class WeightsError(ValueError):
@@ -140,32 +161,54 @@ def _copy_row(caches, src, dst_N):
 
 
 def _decode(model_def, params, model_state, caches, tok_B, pos_B, t_B, keys_Bx2, temp_B, top_k_B, top_p_B, min_p_B,
-            *, steps: int, key_len: int, filtering: bool):  # fmt: skip
+            think=None, *, steps: int, key_len: int, filtering: bool):  # fmt: skip
     """`steps` decode steps of cache rows [0, B): feed tok_B at slot pos_B, sample the next.
 
     A row with pos_B >= the cache length is idle: it writes nothing and its outputs are
     ignored (it attends to every slot, so its numbers stay finite). Returns (caches, tokens,
     full-softmax log-probs, sampling log-probs), each [steps, B] after caches.
+
+    think: None (no thinking budget in the batch: the plain program), or (budget_B,
+    end_ids_BxM, end_len_B, recent_BxM): per row the budget (NO_BUDGET: none, or closed),
+    the end-of-thinking ids (-1 padded) and the row's last M output tokens (-1 padded). A
+    row whose output count t has reached its budget and whose reasoning is open takes the
+    next end id instead of a draw (module docstring).
     """
     model = model_def.bind(params, model_state)
     window = model.cfg.sliding_window
     s = jnp.arange(key_len, dtype=jnp.int32)
 
     def body(i, carry):
-        caches, tok, pos, t, out_tok, out_lp, out_slp = carry
+        caches, tok, pos, t, out_tok, out_lp, out_slp, state = carry
         mask = (s[None, :] <= pos[:, None]) | (pos[:, None] >= key_len)
         if window is not None:
             mask = mask & ((pos[:, None] - s[None, :] < window) | (pos[:, None] >= key_len))
         logits, caches = model.decode_step(tok[:, None], pos[:, None], mask[:, None, :], caches, pos)
+        forced = None
+        if think is not None:
+            budget_B, end_ids_BxM, end_len_B, _ = think
+            recent, partial, closed = state
+            nxt_end = jnp.take_along_axis(end_ids_BxM, partial[:, None], axis=-1)[:, 0]
+            forced = jnp.where(~closed & (t >= budget_B), nxt_end, -1)
         nxt, lp, slp = sample_rows(
-            logits[:, 0], sample_key(keys_Bx2, t), temp_B, top_k_B, top_p_B, min_p_B, filtering=filtering
-        )
+            logits[:, 0], sample_key(keys_Bx2, t), temp_B, top_k_B, top_p_B, min_p_B, filtering=filtering,
+            forced_B=forced,
+        )  # fmt: skip
+        if think is not None:
+            recent = jnp.concatenate([recent[:, 1:], nxt[:, None]], axis=1)
+            partial, done = think_end_match(recent, end_ids_BxM, end_len_B)
+            state = (recent, partial, closed | done)
         out_tok = out_tok.at[i].set(nxt)
         out_lp = out_lp.at[i].set(lp)
         out_slp = out_slp.at[i].set(slp)
-        return caches, nxt, pos + 1, t + 1, out_tok, out_lp, out_slp
+        return caches, nxt, pos + 1, t + 1, out_tok, out_lp, out_slp, state
 
     B = tok_B.shape[0]
+    state = None
+    if think is not None:
+        _, end_ids_BxM, end_len_B, recent_BxM = think
+        partial, closed = think_end_match(recent_BxM, end_ids_BxM, end_len_B)
+        state = (recent_BxM, partial, closed)
     init = (
         caches,
         tok_B,
@@ -174,8 +217,9 @@ def _decode(model_def, params, model_state, caches, tok_B, pos_B, t_B, keys_Bx2,
         jnp.zeros((steps, B), jnp.int32),
         jnp.zeros((steps, B), jnp.float32),
         jnp.zeros((steps, B), jnp.float32),
+        state,
     )
-    caches, _, _, _, out_tok, out_lp, out_slp = jax.lax.fori_loop(0, steps, body, init)
+    caches, _, _, _, out_tok, out_lp, out_slp, _ = jax.lax.fori_loop(0, steps, body, init)
     return caches, out_tok, out_lp, out_slp
 
 
@@ -352,6 +396,9 @@ class LocalEngine(EngineBase):
         self._top_k = np.zeros(R, np.int32)
         self._top_p = np.ones(R, np.float32)
         self._min_p = np.zeros(R, np.float32)
+        self._budget = np.full(R, NO_BUDGET, np.int32)  # NO_BUDGET: none, or the reasoning has closed
+        self._end_ids = np.full((R, MAX_THINK_END_IDS), -1, np.int32)
+        self._end_len = np.zeros(R, np.int32)
 
         self._lock = threading.Condition()
         self._queue: deque[_Request] = deque()
@@ -585,6 +632,12 @@ class LocalEngine(EngineBase):
             )
         sp = request.sampling
         sp.validate(self.vocab_size)
+        if sp.thinking_budget is not None and not sp.think_end_ids:
+            raise RequestError(
+                f"sampling_params.custom_params.thinking_budget={sp.thinking_budget} needs the end-of-thinking token "
+                "ids to force: set SamplingParams.think_end_ids (custom_params.__sglang_reasoning_end_token_ids) to "
+                "the tokenizer's encoding of '</think>'"
+            )
         if sp.n > self.max_running_requests:
             raise RequestError(
                 f"sampling_params.n={sp.n} exceeds max_running_requests={self.max_running_requests}; the n samples "
@@ -751,6 +804,7 @@ class LocalEngine(EngineBase):
             self._row_state[r] = IDLE
             self._row_sample[r] = None
             self._pos[r] = self.context_length
+            self._budget[r] = NO_BUDGET
             # KV is valid for every token fed: the prompt and all outputs but the last.
             fed = (
                 list(s.request.request.input_ids) + s.output[:-1]
@@ -845,6 +899,13 @@ class LocalEngine(EngineBase):
                 self._top_k[r] = sp.top_k if 0 < sp.top_k < self.vocab_size else 0
                 self._top_p[r] = sp.top_p
                 self._min_p[r] = sp.min_p
+                # A budget the sample cannot reach (>= its max_new_tokens) forces nothing.
+                binding = sp.thinking_budget is not None and sp.thinking_budget < req.max_new_tokens
+                ends = sp.think_end_ids if binding else ()
+                self._budget[r] = sp.thinking_budget if binding else NO_BUDGET
+                self._end_ids[r] = -1
+                self._end_ids[r, : len(ends)] = ends
+                self._end_len[r] = len(ends)
             self.stats["prefill_tokens"] += L - 1 - c
             self.stats["cached_tokens"] += c + (n - 1) * (L - 1)
             budget -= L - 1 - c
@@ -894,6 +955,25 @@ class LocalEngine(EngineBase):
 
     # ------------------------------------------------------------------ decoding
 
+    def _think_arrays(self, active: np.ndarray, B: int) -> tuple | None:
+        """`_decode`'s thinking-budget state for rows [0, B), or None when no running sample
+        has an open budget (the plain program runs)."""
+        open_rows = [r for r in active if self._budget[r] != NO_BUDGET]
+        if not open_rows:
+            return None
+        M = MAX_THINK_END_IDS
+        recent = np.full((B, M), -1, np.int32)
+        for r in open_rows:
+            tail = self._row_sample[r].output[-M:]
+            if tail:
+                recent[r, M - len(tail) :] = tail
+        return (
+            jnp.asarray(self._budget[:B]),
+            jnp.asarray(self._end_ids[:B]),
+            jnp.asarray(self._end_len[:B]),
+            jnp.asarray(recent),
+        )
+
     def _decode_step(self) -> None:
         active = np.nonzero(self._row_state == ACTIVE)[0]
         B = _bucket(int(active.max()) + 1, 1, self.max_running_requests)
@@ -903,7 +983,7 @@ class LocalEngine(EngineBase):
             self._model_def, self._decode_params, self._model_state, self._caches, jnp.asarray(self._tok[:B]),
             jnp.asarray(self._pos[:B]), jnp.asarray(self._t[:B]), jnp.asarray(self._keys[:B]),
             jnp.asarray(self._temp[:B]), jnp.asarray(self._top_k[:B]), jnp.asarray(self._top_p[:B]),
-            jnp.asarray(self._min_p[:B]), steps=steps, key_len=key_len,
+            jnp.asarray(self._min_p[:B]), self._think_arrays(active, B), steps=steps, key_len=key_len,
             filtering=filters(self._temp[active], self._top_k[active], self._top_p[active], self._min_p[active],
                               self.vocab_size),
         )  # fmt: skip
@@ -923,6 +1003,10 @@ class LocalEngine(EngineBase):
                 taken += 1
                 if not s.first_token_time:
                     s.first_token_time = now
+                if self._budget[r] != NO_BUDGET:
+                    ends = req.request.sampling.think_end_ids
+                    if tuple(s.output[-len(ends) :]) == ends:
+                        self._budget[r] = NO_BUDGET  # the reasoning closed (by itself or forced)
                 if token in req.stop_ids:
                     self._finish(s, FinishReason("stop", matched=token))
                     break

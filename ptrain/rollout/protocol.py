@@ -17,6 +17,15 @@ what the trainer's policy loss computes for the same tokens. Top-k / top-p / min
 which tokens can be drawn, not this number: the log-prob under the truncated distribution
 actually sampled from is `Sample.sampling_logprobs`. Putting the truncated one into an
 importance ratio would add log(kept mass) to every token's ratio.
+
+Thinking budget. Reasoning models write `<think>...</think>` and then the answer; a budget
+of B (`SamplingParams.thinking_budget`) lets a sample generate B tokens of reasoning, and if
+it has not closed the reasoning itself by then, the engine forces the end-of-thinking token
+sequence (`think_end_ids`, the tokenizer's `</think>`) and sampling goes on with the answer,
+as Nemotron 3 Nano's budget control does (NVIDIA, arXiv 2512.20856 §2.7). On the wire it is
+SGLang's `custom_params.thinking_budget` (what its strict-thinking grammar and its
+ThinkingBudgetLogitProcessor read); a forced token's log-probs are under "Thinking budget"
+in `ptrain.rollout.local`.
 """
 
 from __future__ import annotations
@@ -35,15 +44,26 @@ FINISH_TYPES = ("stop", "length", "abort")
 # (never silently ignored); an unknown key is refused as SGLang refuses it.
 SAMPLING_KEYS = (
     "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop_token_ids", "n", "sampling_seed",
-    "ignore_eos",
+    "ignore_eos", "custom_params",
 )  # fmt: skip
 SGLANG_ONLY_KEYS: dict[str, Any] = {
     "stop": None, "stop_regex": None, "frequency_penalty": 0.0, "presence_penalty": 0.0,
     "repetition_penalty": 1.0, "min_new_tokens": 0, "json_schema": None, "regex": None, "ebnf": None,
     "structural_tag": None, "skip_special_tokens": True, "spaces_between_special_tokens": True,
-    "no_stop_trim": False, "stream_interval": None, "logit_bias": {}, "custom_params": None,
+    "no_stop_trim": False, "stream_interval": None, "logit_bias": {},
     "beam_width": None, "watermark": None, "choice": [],
 }  # fmt: skip
+# `custom_params` is SGLang's free-form object for logit processors and its reasoning grammar;
+# this engine reads these keys of it (SGLang's spellings) and refuses any other.
+THINKING_BUDGET_KEY = "thinking_budget"
+THINK_END_IDS_KEY = "__sglang_reasoning_end_token_ids"
+"""SGLang's key for a request's own reasoning terminator (SGLang honours it only for the
+terminators its reasoning parser lists; this engine takes any)."""
+CUSTOM_PARAMS_KEYS = (THINKING_BUDGET_KEY, THINK_END_IDS_KEY)
+MAX_THINK_END_IDS = 32
+"""Longest end-of-thinking sequence (SGLang's limit on a request's reasoning terminator)."""
+THINK_END_TEXT = "</think>"
+"""The end-of-thinking text whose token ids the HTTP server forces (its tokenizer's encoding)."""
 TOP_K_OFF = 1 << 30
 """SGLang's top_k default ("all tokens"); any top_k <= 0 or >= the vocabulary is also off."""
 
@@ -82,6 +102,18 @@ class SamplingParams:
     j, the prompt and the weights, not on what else the engine is running."""
     ignore_eos: bool = False
     """Do not stop at the model's end-of-sequence ids (stop_token_ids still stop)."""
+    thinking_budget: int | None = None
+    """Reasoning tokens at most (>= 0; None: no limit). When the sample has generated this
+    many tokens and they do not contain `think_end_ids`, the engine forces the rest of
+    `think_end_ids` next, then samples the answer. Only generated tokens count: a prompt that
+    already closed the reasoning (a reasoning-off template ending in `<think></think>`) needs
+    no budget, and one sent with it would force `</think>` into the answer (the HTTP server
+    drops the budget for such prompts). Wire: `custom_params.thinking_budget`."""
+    think_end_ids: tuple[int, ...] = ()
+    """The end-of-thinking token sequence (1 to MAX_THINK_END_IDS ids): the tokenizer's
+    encoding of `</think>`, one special token for Qwen3 and several for a byte-level BPE
+    without one. Needed with a thinking_budget; the HTTP server fills it from its tokenizer.
+    Wire: `custom_params.__sglang_reasoning_end_token_ids`."""
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
@@ -99,7 +131,7 @@ class SamplingParams:
                 f"sampling_params: {unsupported} are SGLang options this engine does not implement; "
                 f"leave them at their defaults, or use {sorted(SAMPLING_KEYS)}"
             )
-        kw: dict[str, Any] = {}
+        kw: dict[str, Any] = _custom_params(d.pop("custom_params", None))
         for k in SAMPLING_KEYS:
             if k in d and d[k] is not None:
                 kw[k] = d[k]
@@ -143,19 +175,88 @@ class SamplingParams:
         if self.sampling_seed is not None and not -(2**63) <= self.sampling_seed < 2**63:
             # A PRNG key takes a 64-bit seed; a larger one would fail inside the engine's thread.
             raise RequestError(f"sampling_params.sampling_seed: must fit in 64 bits (signed), got {self.sampling_seed}")
+        budget = self.thinking_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+            raise RequestError(
+                f"sampling_params.custom_params.{THINKING_BUDGET_KEY} (SamplingParams.thinking_budget): must be an "
+                f"integer >= 0, got {budget!r}; leave it out for no limit"
+            )
+        if len(self.think_end_ids) > MAX_THINK_END_IDS:
+            raise RequestError(
+                f"sampling_params.custom_params.{THINK_END_IDS_KEY} (SamplingParams.think_end_ids): at most "
+                f"{MAX_THINK_END_IDS} ids, got {len(self.think_end_ids)}"
+            )
         if vocab_size is not None:
             bad = [i for i in self.stop_token_ids if not 0 <= i < vocab_size]
             if bad:
                 raise RequestError(f"sampling_params.stop_token_ids: {bad} outside the vocabulary [0, {vocab_size})")
+            bad = [i for i in self.think_end_ids if not 0 <= i < vocab_size]
+            if bad:
+                raise RequestError(
+                    f"sampling_params.custom_params.{THINK_END_IDS_KEY} (SamplingParams.think_end_ids): {bad} outside "
+                    f"the vocabulary [0, {vocab_size})"
+                )
 
     def to_dict(self) -> dict[str, Any]:
-        """The SGLang `sampling_params` object (only fields that differ from the defaults)."""
-        out = {}
+        """The SGLang `sampling_params` object (only fields that differ from the defaults; the
+        thinking budget and its end ids go into `custom_params`, as `from_dict` reads them)."""
+        out: dict[str, Any] = {}
+        custom: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if v != f.default:
-                out[f.name] = list(v) if isinstance(v, tuple) else v
+            if v == f.default:
+                continue
+            v = list(v) if isinstance(v, tuple) else v
+            if f.name == "thinking_budget":
+                custom[THINKING_BUDGET_KEY] = v
+            elif f.name == "think_end_ids":
+                custom[THINK_END_IDS_KEY] = v
+            else:
+                out[f.name] = v
+        if custom:
+            out["custom_params"] = custom
         return out
+
+
+def _custom_params(cp: Any) -> dict[str, Any]:
+    """SamplingParams keywords from SGLang's `custom_params` object; RequestError names a bad key."""
+    if cp is None:
+        return {}
+    if not isinstance(cp, dict):
+        raise RequestError(f"sampling_params.custom_params: must be an object, got {type(cp).__name__}")
+    unknown = sorted(k for k in cp if k not in CUSTOM_PARAMS_KEYS)
+    if unknown:
+        raise RequestError(
+            f"sampling_params.custom_params: key(s) {unknown} are not implemented by this engine; it reads only "
+            f"{list(CUSTOM_PARAMS_KEYS)}"
+        )
+    kw: dict[str, Any] = {}
+    budget = cp.get(THINKING_BUDGET_KEY)
+    if budget is not None:
+        if isinstance(budget, bool) or not isinstance(budget, int):
+            raise RequestError(
+                f"sampling_params.custom_params.{THINKING_BUDGET_KEY}: must be an integer (reasoning tokens at "
+                f"most), got {budget!r}"
+            )
+        if budget < 0:
+            raise RequestError(
+                f"sampling_params.custom_params.{THINKING_BUDGET_KEY}: must be >= 0, got {budget}; leave it out "
+                "(or null) for no limit"
+            )
+        kw["thinking_budget"] = budget
+    ids = cp.get(THINK_END_IDS_KEY)
+    if ids is not None:
+        if (
+            not isinstance(ids, (list, tuple))
+            or not ids
+            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
+        ):
+            raise RequestError(
+                f"sampling_params.custom_params.{THINK_END_IDS_KEY}: must be a non-empty list of token ids "
+                f"(the tokenizer's encoding of {THINK_END_TEXT!r}), got {ids!r}"
+            )
+        kw["think_end_ids"] = tuple(ids)
+    return kw
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,11 @@ Facts this module encodes (SGLang 0.5.23, `srt/managers/io_struct.py` GenerateRe
   `input_token_logprobs` for prompt tokens k.., the first of them with log-prob null;
 - log-prob entries are `[logprob, token_id, text | null]` triples;
 - unknown top-level keys are ignored (SGLang's schema says so); unknown `sampling_params`
-  keys are refused (`SamplingParams.from_dict`).
+  keys are refused (`SamplingParams.from_dict`);
+- a thinking budget is `max_thinking_tokens` (a non-negative integer) or
+  `sampling_params.custom_params.thinking_budget`, which SGLang's tokenizer manager sets from
+  it; SGLang enforces either only with --enable-strict-thinking (or its
+  ThinkingBudgetLogitProcessor), this engine always.
 Fields SGLang has that this engine cannot honour are refused unless they hold SGLang's
 default, so nothing a client asks for is silently dropped (`DEFAULT_ONLY_FIELDS`).
 """
@@ -29,7 +33,7 @@ from __future__ import annotations
 import math
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ptrain.rollout.protocol import FinishReason, GenerateRequest, RequestError, Sample, SamplingParams, WeightSpan
@@ -47,6 +51,7 @@ IMPLEMENTED_FIELDS: dict[str, Any] = {
     "return_prompt_token_ids": False,
     "top_logprobs_num": None,
     "token_ids_logprob": None,
+    "max_thinking_tokens": None,
 }
 # Fields that route, label, log or partition the cache; they cannot change what is
 # sampled, so they are accepted and have no effect on one engine.
@@ -102,7 +107,6 @@ DEFAULT_ONLY_FIELDS: dict[str, Any] = {
     "decode_tp_size": None,
     "background": False,
     "require_reasoning": False,
-    "max_thinking_tokens": None,
     "return_bytes": False,
     "return_entropy": False,
     "need_wait_for_mm_inputs": None,
@@ -116,6 +120,11 @@ DEFAULT_ONLY_FIELDS: dict[str, Any] = {
     "mm_processor_kwargs": None,
     "multi_item_delimiter_indices": None,
     "token_indices_to_pool": None,
+}
+# What to use instead of a refused field, where there is something.
+INSTEAD: dict[str, str] = {
+    "custom_logit_processor": "; for a thinking budget send max_thinking_tokens or "
+    "sampling_params.custom_params.thinking_budget, which this server enforces without a logit processor",
 }
 # Sampling keys the server implements itself on top of the engine (detokenisation).
 SERVER_SAMPLING_KEYS: dict[str, Any] = {"skip_special_tokens": True}
@@ -330,6 +339,29 @@ def parse_sampling(d: Any, where: str = "sampling_params") -> tuple[SamplingPara
     return params, {**SERVER_SAMPLING_KEYS, **server}
 
 
+def with_max_thinking_tokens(
+    value: Any, parsed: list[tuple[SamplingParams, dict[str, Any]]]
+) -> list[tuple[SamplingParams, dict[str, Any]]]:
+    """Each prompt's sampling with GenerateReqInput's `max_thinking_tokens` as its thinking
+    budget (SGLang copies it into custom_params.thinking_budget); RequestError when the two disagree."""
+    if value is None:
+        return parsed
+    if not _is_int(value) or value < 0:
+        raise RequestError(
+            f"max_thinking_tokens: must be an integer >= 0 (reasoning tokens at most), got {value!r}; "
+            "leave it out for no limit"
+        )
+    out = []
+    for params, server in parsed:
+        if params.thinking_budget not in (None, value):
+            raise RequestError(
+                f"max_thinking_tokens={value} and sampling_params.custom_params.thinking_budget="
+                f"{params.thinking_budget} disagree; give the thinking budget once"
+            )
+        out.append((replace(params, thinking_budget=value), server))
+    return out
+
+
 def parse_generate(body: Any, *, tokenize: Callable[[str], list[int]] | None = None) -> ParsedGenerate:
     """A `/generate` JSON body -> ParsedGenerate; RequestError (HTTP 400) names the field and the fix."""
     if not isinstance(body, dict):
@@ -338,6 +370,7 @@ def parse_generate(body: Any, *, tokenize: Callable[[str], list[int]] | None = N
         if key in body and not is_default(body[key], default):
             raise RequestError(
                 f"{key}: this server does not implement it; leave it out (SGLang's default is {default!r})"
+                + INSTEAD.get(key, "")
             )
     for key in ("top_logprobs_num", "token_ids_logprob"):
         v = body.get(key)
@@ -355,6 +388,7 @@ def parse_generate(body: Any, *, tokenize: Callable[[str], list[int]] | None = N
         parsed = [parse_sampling(s, f"sampling_params[{i}]") for i, s in enumerate(sp)]
     else:
         parsed = [parse_sampling(sp)] * count
+    parsed = with_max_thinking_tokens(body.get("max_thinking_tokens"), parsed)
     ns = {p.n for p, _ in parsed}
     if len(ns) > 1:
         raise RequestError(f"sampling_params: n must be equal for every prompt of a batch, got {sorted(ns)}")

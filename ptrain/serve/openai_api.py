@@ -17,6 +17,11 @@ unchanged:
 - unknown fields are ignored, as SGLang's pydantic models ignore them; fields for features
   this engine lacks (penalties, logit_bias, grammars, top log-probs, ...) are a 400 unless they
   hold the default;
+- a thinking budget (reasoning tokens at most, then the server forces `</think>`) is the
+  integer `thinking_budget`, our extension of OpenAI's schema, or SGLang's
+  `custom_params.thinking_budget`; for chat also `chat_template_kwargs.reasoning_budget`,
+  the variable Nemotron 3 Nano's template states the budget with, which is enforced as well
+  (it still reaches the template); two of them that disagree are a 400;
 - `stream: true` answers with SSE chunks ending in `data: [DONE]`; `stream_options.include_usage`
   adds a usage chunk.
 Errors use SGLang's OpenAI ErrorResponse: `{"object": "error", "message", "type", "param", "code"}`.
@@ -69,7 +74,6 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "routed_experts_start_len": 0,
     "lora_path": None,
     "session_params": None,
-    "custom_params": None,
     "custom_logit_processor": None,
     "watermark": None,
     "images_config": None,
@@ -112,7 +116,8 @@ def _check_json_content_type(request: Request) -> None:
 def _refuse_unsupported(body: dict) -> None:
     for key, default in UNSUPPORTED_FIELDS.items():
         if key in body and not wire.is_default(body[key], default):
-            raise RequestError(f"{key}: not implemented by this server; leave it out (default {default!r})")
+            instead = " (for a thinking budget send thinking_budget)" if key == "custom_logit_processor" else ""
+            raise RequestError(f"{key}: not implemented by this server; leave it out (default {default!r}){instead}")
 
 
 def _int_field(body: dict, key: str, default: Any, *, minimum: int | None = None) -> Any:
@@ -135,9 +140,39 @@ def _number_field(body: dict, key: str) -> float | None:
     return float(v)
 
 
-def sampling_of(body: dict, front: Frontend, max_new_tokens: int, *, openai_defaults: dict) -> dict[str, Any]:
+def _thinking_budget(body: dict, *, chat: bool) -> int | None:
+    """The request's thinking budget (module docstring): thinking_budget, custom_params.thinking_budget
+    or, for chat, chat_template_kwargs.reasoning_budget; RequestError names a bad or disagreeing one."""
+    given: dict[str, int] = {}
+    v = _int_field(body, "thinking_budget", None, minimum=0)
+    if v is not None:
+        given["thinking_budget"] = v
+    custom = body.get("custom_params")
+    if isinstance(custom, dict) and custom.get("thinking_budget") is not None:
+        v = custom["thinking_budget"]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise RequestError(f"custom_params.thinking_budget: must be an integer >= 0, got {v!r}")
+        given["custom_params.thinking_budget"] = v
+    kwargs = body.get("chat_template_kwargs")
+    if chat and isinstance(kwargs, dict) and kwargs.get("reasoning_budget") is not None:
+        v = kwargs["reasoning_budget"]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise RequestError(
+                f"chat_template_kwargs.reasoning_budget: must be an integer >= 0 (reasoning tokens at most), "
+                f"got {v!r}; leave it out for no limit"
+            )
+        given["chat_template_kwargs.reasoning_budget"] = v
+    if len(set(given.values())) > 1:
+        raise RequestError(f"thinking budgets disagree ({given}); give the budget once")
+    return next(iter(given.values()), None)
+
+
+def sampling_of(
+    body: dict, front: Frontend, max_new_tokens: int, *, openai_defaults: dict, chat: bool = False
+) -> dict[str, Any]:
     """An OpenAI request's sampling fields as an SGLang `sampling_params` object: the request's
-    value, else the model's generation_config.json, else `openai_defaults`."""
+    value, else the model's generation_config.json, else `openai_defaults`. `chat`: the
+    template's reasoning_budget is a thinking budget too."""
     sp: dict[str, Any] = {"max_new_tokens": max_new_tokens}
     for key in ("temperature", "top_p", "min_p"):
         v = _number_field(body, key)
@@ -157,6 +192,14 @@ def sampling_of(body: dict, front: Frontend, max_new_tokens: int, *, openai_defa
     for key in ("stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "no_stop_trim"):
         if body.get(key) is not None:
             sp[key] = body[key]
+    custom = body.get("custom_params")
+    if custom is not None and not isinstance(custom, dict):
+        raise RequestError(f"custom_params: must be an object, got {wire.type_name(custom)}")
+    budget = _thinking_budget(body, chat=chat)
+    if budget is not None:
+        custom = {**(custom or {}), "thinking_budget": budget}
+    if custom:
+        sp["custom_params"] = custom
     return sp
 
 
@@ -673,7 +716,7 @@ async def chat_completions(request: Request) -> Response:
             "return_token_ids / return_prompt_token_ids are not supported with stream; set stream: false"
         )
     model = body.get("model") or front.served_model_name
-    sampling = sampling_of(body, front, max_tokens, openai_defaults=OPENAI_DEFAULTS)
+    sampling = sampling_of(body, front, max_tokens, openai_defaults=OPENAI_DEFAULTS, chat=True)
     rid = _rids(body, "chatcmpl-", 1)[0]
     job = _submit(front, [prompt], sampling, [rid], prompt_logprobs=False, watch=stream)
     parse_tools = tools is not None and front.effective_tool_call_parser() is not None

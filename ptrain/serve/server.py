@@ -21,6 +21,14 @@ Errors. Every bad request is a 400 that names the field and the fix, in SGLang's
 `skip_special_tokens` are implemented here, over the engine's token stream: a sample whose
 text reaches a stop string is aborted in the engine and cut after the token that completed it.
 
+Thinking budget. A request's budget (`/generate`: SGLang's `max_thinking_tokens` or
+`sampling_params.custom_params.thinking_budget`; OpenAI routes: `thinking_budget`,
+`custom_params.thinking_budget`, and for chat the template variable
+`chat_template_kwargs.reasoning_budget`) is enforced by the engine, which forces the
+tokenizer's encoding of `</think>` once the budget is spent (`ptrain.rollout.local`). The
+server fills those ids in from its tokenizer, and drops the budget of a prompt that already
+ends in `</think>` (a reasoning-off template's `<think></think>`: nothing left to force).
+
 Shutdown. SIGTERM stops accepting connections, `/health` turns 503, requests in flight finish
 (up to `--graceful-shutdown-timeout` seconds), then the engine closes and the process exits 0.
 """
@@ -49,7 +57,16 @@ from starlette.routing import Route
 
 from ptrain import __version__
 from ptrain.rollout import sglang_wire as wire
-from ptrain.rollout.protocol import FinishReason, GenerateRequest, RequestError, Sample, SamplingParams
+from ptrain.rollout.protocol import (
+    MAX_THINK_END_IDS,
+    THINK_END_IDS_KEY,
+    THINK_END_TEXT,
+    FinishReason,
+    GenerateRequest,
+    RequestError,
+    Sample,
+    SamplingParams,
+)
 
 log = logging.getLogger("ptrain.serve")
 
@@ -149,6 +166,12 @@ class Detokenizer:
             for i, s in zip(missing, self.tokenizer.batch_decode([[i] for i in missing])):
                 cache[i] = s
         return [cache[i] for i in ids]
+
+    def think_end_ids(self) -> tuple[int, ...]:
+        """The token ids of `</think>` (one special token in Qwen3's tokenizer, several in a
+        byte-level BPE without it); () when longer than MAX_THINK_END_IDS."""
+        ids = tuple(int(i) for i in self.encode(THINK_END_TEXT, add_special_tokens=False))
+        return ids if len(ids) <= MAX_THINK_END_IDS else ()
 
 
 def parse_stops(sampling: Any, where: str, has_tokenizer: bool) -> tuple[dict, tuple[str, ...], bool]:
@@ -424,6 +447,8 @@ class Frontend:
     ):
         self.engine = engine
         self.detok = None if tokenizer is None else Detokenizer(tokenizer)
+        # What the engine forces once a request's thinking budget is spent (module docstring).
+        self.think_end_ids = () if self.detok is None else self.detok.think_end_ids()
         self.model_path = model_path or getattr(engine, "model_path", None) or ""
         self.served_model_name = served_model_name or self.model_path or "default"
         self.tokenizer_path = tokenizer_path or (self.model_path if tokenizer is not None else None)
@@ -491,7 +516,7 @@ class Frontend:
         """Submit `requests` (RequestError before anything runs) and return their Job."""
         job = Job(
             self,
-            tuple(requests),
+            tuple(self.with_thinking(r) for r in requests),
             tuple(skip_special_tokens),
             tuple(stops),
             tuple(no_stop_trim),
@@ -499,6 +524,32 @@ class Frontend:
         )
         job.start()
         return job
+
+    def with_thinking(self, request: GenerateRequest) -> GenerateRequest:
+        """`request` with its thinking budget ready for the engine: the end-of-thinking ids
+        from the tokenizer unless the request names its own, and no budget when the prompt
+        already closed the reasoning. RequestError when there are no ids to force."""
+        sp = request.sampling
+        if sp.thinking_budget is None:
+            return request
+        ends = sp.think_end_ids or self.think_end_ids
+        if not ends:
+            raise RequestError(
+                f"thinking budget {sp.thinking_budget}: this server has no tokenizer to find the "
+                f"{THINK_END_TEXT!r} token ids in (--skip-tokenizer-init, or it encodes to more than "
+                f"{MAX_THINK_END_IDS} tokens); send them as sampling_params.custom_params.{THINK_END_IDS_KEY}"
+            )
+        if self.prompt_closes_thinking(request.input_ids, ends):
+            return replace(request, sampling=replace(sp, thinking_budget=None, think_end_ids=()))
+        return replace(request, sampling=replace(sp, think_end_ids=ends))
+
+    def prompt_closes_thinking(self, prompt_ids: Sequence[int], ends: Sequence[int]) -> bool:
+        """Whether the prompt ends with the end of thinking, trailing whitespace aside (Nemotron
+        3 Nano's reasoning-off `<think></think>`, Qwen3's `<think>\n\n</think>\n\n`)."""
+        if self.detok is not None and tuple(ends) == self.think_end_ids:
+            tail = self.detok.text(prompt_ids[-(len(ends) + 8) :], skip_special_tokens=False)
+            return tail.rstrip().endswith(THINK_END_TEXT)
+        return tuple(prompt_ids[-len(ends) :]) == tuple(ends)
 
     async def warmup(self) -> None:
         """One short greedy request, so the first client does not wait for the first compile."""

@@ -290,6 +290,35 @@ def test_bad_input_over_http_and_the_server_keeps_serving(http):
     post_generate(http, {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
 
 
+def test_the_thinking_budget_over_http(http, reference, served_model_dir):
+    """`max_thinking_tokens` on /generate and `thinking_budget` on /v1/chat/completions: the
+    server forces its tokenizer's `</think>` after 3 tokens, as the engine does with those ids."""
+    from ptrain.serve.server import load_tokenizer
+
+    tokenizer = load_tokenizer(served_model_dir)
+    ends = tuple(tokenizer.encode("</think>", add_special_tokens=False))
+    greedy = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+    messages = [{"role": "user", "content": "think"}]
+    prompt = tokenizer.encode(
+        tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+    )
+    want = reference.generate_many(
+        [GenerateRequest(tuple(prompt), SamplingParams(**greedy, thinking_budget=3, think_end_ids=ends))]
+    )[0][0].output_ids
+    # completed at token 3 + len(ends) at the latest (sooner where the model's own tokens began it)
+    assert ends in [want[i : i + len(ends)] for i in range(max(0, 4 - len(ends)), 4)]
+    out = post_generate(http, {"input_ids": prompt, "max_thinking_tokens": 3, "sampling_params": greedy})
+    assert tuple(out["output_ids"]) == want
+    body = {"messages": messages, "max_tokens": 10, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    chat = http.post("/v1/chat/completions", json={**body, "thinking_budget": 3}).json()
+    assert (
+        tuple(chat["choices"][0]["response_token_ids"]) == want
+        and "</think>" in chat["choices"][0]["message"]["content"]
+    )
+    r = http.post("/v1/chat/completions", json={**body, "thinking_budget": -1})
+    assert r.status_code == 400 and "thinking_budget: must be >= 0" in r.json()["message"]
+
+
 def test_tp_size_shards_the_model_over_the_mesh_tensor_axis(served_model_dir, http, tmp_path):
     """--tp-size 2 over two host devices: the same greedy tokens and log-probs as one device."""
     env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"))

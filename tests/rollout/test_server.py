@@ -485,6 +485,132 @@ def test_openai_routes_want_json_content_type(client):
     assert r.status_code == 400 and "application/json" in r.json()["message"]
 
 
+# ---- thinking budget ----
+
+BUDGET = 3
+# Nemotron 3 Nano's switches, in miniature: the budget stated in the prompt, and reasoning off
+# as a generation prompt that already closed it.
+THINK_TEMPLATE = (
+    "{%- for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if reasoning_budget is defined %}(budget {{ reasoning_budget }}) {% endif %}"
+    "{%- if enable_thinking is defined and not enable_thinking %}<think></think>{% else %}<think>\n{% endif %}"
+    "{%- endif %}"
+)
+
+
+def budgeted(engine, tokenizer, prompt, budget=BUDGET):
+    """(the greedy output without a budget, with one), from the engine itself."""
+    ends = tuple(tokenizer.encode("</think>", add_special_tokens=False))
+    free, forced = (
+        engine.generate_many([GenerateRequest(tuple(prompt), SamplingParams(**GREEDY, **kw))])[0][0].output_ids
+        for kw in ({}, {"thinking_budget": budget, "think_end_ids": ends})
+    )
+    assert ends not in [free[i : i + len(ends)] for i in range(budget)], "the model closes its reasoning itself"
+    at = [i for i in range(len(forced)) if forced[i : i + len(ends)] == ends]
+    assert forced[:budget] == free[:budget] and at and budget - len(ends) < at[0] <= budget, (free, forced)
+    return list(free), list(forced)
+
+
+def test_generate_forces_the_end_of_thinking_after_the_budget(client, engine, tokenizer):
+    """SGLang's two spellings; `</think>` is several tokens of the embedded BPE, forced after
+    BUDGET tokens (or completed where the model's own tokens already started it)."""
+    assert len(tokenizer.encode("</think>", add_special_tokens=False)) > 1
+    free, forced = budgeted(engine, tokenizer, PROMPTS[1])
+    for body in (
+        {"input_ids": PROMPTS[1], "sampling_params": {**GREEDY, "custom_params": {"thinking_budget": BUDGET}}},
+        {"input_ids": PROMPTS[1], "max_thinking_tokens": BUDGET, "sampling_params": GREEDY},
+    ):
+        out = generate(client, body).json()
+        assert out["output_ids"] == forced and "</think>" in out["text"]
+    assert generate(client, {"input_ids": PROMPTS[1], "sampling_params": GREEDY}).json()["output_ids"] == free
+
+
+def test_openai_routes_force_the_end_of_thinking_after_the_budget(client, engine, tokenizer):
+    _, forced = budgeted(engine, tokenizer, PROMPTS[3])
+    base = {"prompt": PROMPTS[3], "max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    for extra in ({"thinking_budget": BUDGET}, {"custom_params": {"thinking_budget": BUDGET}}):
+        out = client.post("/v1/completions", json={**base, **extra}).json()
+        assert out["choices"][0]["token_ids"] == forced, out
+    messages = [{"role": "user", "content": "think"}]
+    prompt = tokenizer.encode(
+        tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+    )
+    _, forced = budgeted(engine, tokenizer, prompt)
+    chat = {"messages": messages, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    for extra in (
+        {"thinking_budget": BUDGET},
+        {"chat_template_kwargs": {"reasoning_budget": BUDGET}},
+        {"thinking_budget": BUDGET, "chat_template_kwargs": {"reasoning_budget": BUDGET}},
+    ):
+        out = client.post("/v1/chat/completions", json={**chat, **extra}).json()
+        choice = out["choices"][0]
+        assert choice["prompt_token_ids"] == prompt and choice["response_token_ids"] == forced, out
+        assert "</think>" in choice["message"]["content"]
+
+
+def test_chat_reasoning_budget_reaches_the_template_and_reasoning_off_forces_nothing(engine, tokenizer):
+    with TestClient(make_app(engine, tokenizer, chat_template=THINK_TEMPLATE)) as c:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+        for thinking in (True, False):
+            kwargs = {"reasoning_budget": BUDGET, "enable_thinking": thinking}
+            choice = c.post("/v1/chat/completions", json={**body, "chat_template_kwargs": kwargs}).json()["choices"][0]
+            prompt = choice["prompt_token_ids"]
+            text = tokenizer.decode(prompt)
+            assert f"(budget {BUDGET})" in text and text.endswith("<think></think>" if not thinking else "<think>\n")
+            free, forced = budgeted(engine, tokenizer, prompt)
+            assert choice["response_token_ids"] == (forced if thinking else free)
+
+
+@pytest.mark.parametrize(
+    "path, body, message",
+    [
+        ("/v1/completions", {"thinking_budget": -1}, "thinking_budget: must be >= 0, got -1"),
+        ("/v1/completions", {"thinking_budget": "8"}, "thinking_budget: must be an integer, got a string"),
+        ("/v1/completions", {"thinking_budget": 2.0}, "thinking_budget: must be an integer, got a number"),
+        ("/v1/completions", {"custom_params": {"thinking_budget": -4}}, "custom_params.thinking_budget: must be"),
+        ("/v1/completions", {"custom_params": {"other": 1}}, "custom_params: key(s) ['other'] are not implemented"),
+        ("/v1/completions", {"custom_params": 5}, "custom_params: must be an object"),
+        ("/v1/completions", {"custom_logit_processor": "x"}, "for a thinking budget send thinking_budget"),
+        ("/v1/chat/completions", {"chat_template_kwargs": {"reasoning_budget": -2}},
+         "chat_template_kwargs.reasoning_budget: must be an integer >= 0"),
+        ("/v1/chat/completions", {"chat_template_kwargs": {"reasoning_budget": "low"}},
+         "chat_template_kwargs.reasoning_budget: must be an integer >= 0"),
+        ("/v1/chat/completions", {"thinking_budget": 3, "chat_template_kwargs": {"reasoning_budget": 4}},
+         "thinking budgets disagree"),
+        ("/generate", {"max_thinking_tokens": -1}, "max_thinking_tokens: must be an integer >= 0"),
+        ("/generate", {"max_thinking_tokens": "many"}, "max_thinking_tokens: must be an integer >= 0"),
+        ("/generate", {"sampling_params": {"custom_params": {"thinking_budget": 1.5}}},
+         "sampling_params.custom_params.thinking_budget: must be an integer"),
+        ("/generate", {"max_thinking_tokens": 2, "sampling_params": {"custom_params": {"thinking_budget": 1}}},
+         "disagree"),
+    ],
+)  # fmt: skip
+def test_bad_thinking_budgets_are_400_naming_the_field(client, path, body, message):
+    if path == "/generate":
+        body = {"input_ids": [5, 6], **body}
+    elif path == "/v1/completions":
+        body = {"prompt": [5, 6], "max_tokens": 2, **body}
+    else:
+        body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **body}
+    r = client.post(path, json=body)
+    assert r.status_code == 400, r.text
+    text = r.json()["message"] if path != "/generate" else schema.check_error(r.json())
+    assert message in text, text
+
+
+def test_without_a_tokenizer_a_budget_needs_its_end_ids(engine, tokenizer):
+    ends = tokenizer.encode("</think>", add_special_tokens=False)
+    _, forced = budgeted(engine, tokenizer, PROMPTS[1])
+    with TestClient(make_app(engine, None)) as c:
+        body = {"input_ids": PROMPTS[1], "max_thinking_tokens": BUDGET, "sampling_params": GREEDY}
+        r = c.post("/generate", json=body)
+        assert r.status_code == 400 and "__sglang_reasoning_end_token_ids" in r.json()["error"]["message"]
+        sp = {**GREEDY, "custom_params": {"__sglang_reasoning_end_token_ids": ends}}
+        assert generate(c, {**body, "sampling_params": sp}).json()["output_ids"] == forced
+
+
 # ---- server-side helpers ----
 
 
