@@ -141,6 +141,10 @@ class EvalAlgoConfig:
     """Output tokens per sample (>= 1)."""
     pass_k: list[int] = field(default_factory=lambda: [1, 4, 8])
     """The k of pass@k (each >= 1; those above `samples` are skipped)."""
+    thinking_budgets: list[int] = field(default_factory=list)
+    """Thinking budgets B (each >= 0) to evaluate greedily besides the unlimited run: the
+    prompt states B as Nano's template does and the engine forces </think> after B
+    reasoning tokens; reported as <env>/budget_B/<metric> and budget_B/pass@1."""
 
 
 def validate_eval(cfg: EvalAlgoConfig, check) -> None:
@@ -150,6 +154,8 @@ def validate_eval(cfg: EvalAlgoConfig, check) -> None:
     check(cfg.temperature > 0, "algo.eval.temperature", f"must be > 0, got {cfg.temperature}")
     check(cfg.max_new_tokens >= 1, "algo.eval.max_new_tokens", f"must be >= 1, got {cfg.max_new_tokens}")
     check(all(k >= 1 for k in cfg.pass_k), "algo.eval.pass_k", f"every k must be >= 1, got {list(cfg.pass_k)}")
+    check(all(b >= 0 for b in cfg.thinking_budgets), "algo.eval.thinking_budgets",
+          f"every budget must be >= 0 (tokens of reasoning), got {list(cfg.thinking_budgets)}")  # fmt: skip
 
 
 def validate_grpo(cfg: GRPOAlgoConfig, check) -> None:

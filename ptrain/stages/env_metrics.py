@@ -8,6 +8,10 @@ pass@k is the unbiased estimator of Chen et al. 2021 (arXiv 2107.03374): with n 
 of which c are correct, pass@k = 1 - C(n - c, k) / C(n, k), averaged over tasks. A sample
 is correct when its `correct` reward component is 1 (else when its reward is > 0).
 
+With `thinking_budgets`, each budget B is also evaluated greedily with B stated in the prompt
+and `</think>` forced after B reasoning tokens (`budget_B/...`): Nano's accuracy-against-budget
+curve.
+
 Verbosity is split as Nemotron 3 Nano reports it: `reasoning_chars` (inside <think>...</think>)
 and `answer_chars` (the rest) of the policy's turns. An environment that declares no tools
 also reports `hallucinated_tool_calls`: the share of samples that call a tool anyway (a
@@ -17,6 +21,7 @@ also reports `hallucinated_tool_calls`: the share of samples that call a tool an
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
@@ -107,8 +112,6 @@ def summarize(
 
 
 async def _rollouts(env: Environment, tasks, engine, sampling: SamplingParams, seed: int):
-    import dataclasses
-
     coros = [env.rollout(t, engine, dataclasses.replace(sampling, sampling_seed=seed + i)) for i, t in enumerate(tasks)]
     return await asyncio.gather(*coros)
 
@@ -121,6 +124,28 @@ def declares_tools(env: Environment) -> bool:
     return not isinstance(env, SingleTurnEnv)
 
 
+def with_budget_prompt(task, budget: int):
+    """The task with its last user turn stating a thinking budget, as Nano's template does."""
+    from ptrain.data.reasoning import budget_tag
+
+    messages = [dict(m) for m in task.messages]
+    last = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
+    if last is not None:
+        messages[last]["content"] = str(messages[last].get("content", "")) + budget_tag(budget)
+    return dataclasses.replace(task, messages=tuple(messages))
+
+
+def think_end_ids(env: Environment) -> tuple[int, ...]:
+    """The environment's tokenizer's ids of `</think>` (what the engine forces at a budget)."""
+    tokenizer = getattr(env, "tokenizer", None)
+    if tokenizer is None:
+        raise ValueError(
+            f"environment {getattr(env, 'name', env)!r} has no tokenizer to encode </think> with, so no thinking "
+            "budget can be forced; leave algo.eval.thinking_budgets empty for it"
+        )
+    return tuple(tokenizer.encode(THINK_CLOSE, add_special_tokens=False))
+
+
 def evaluate_envs(
     envs: Mapping[str, Environment], engine, cfg, *, seed: int = 0, audit=None, strict: bool = False
 ) -> dict[str, float]:
@@ -130,18 +155,26 @@ def evaluate_envs(
     `cfg` is an algo.eval config; `audit` an AuditLog for every episode (record "eval").
     strict: ValueError when every episode of an environment failed (the engine refused every
     prompt, its server is unreachable): its numbers would be zeros that measure nothing."""
-    runs = [("", SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=0.0, n=1), (1,))]
+    runs = [("", SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=0.0, n=1), (1,), None)]
     if cfg.samples > 0:
         sampled = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, n=cfg.samples)
-        runs.append(("sampled/", sampled, tuple(k for k in cfg.pass_k if k <= cfg.samples)))
+        runs.append(("sampled/", sampled, tuple(k for k in cfg.pass_k if k <= cfg.samples), None))
+    for budget in getattr(cfg, "thinking_budgets", ()):
+        greedy = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=0.0, n=1, thinking_budget=int(budget))
+        runs.append((f"budget_{int(budget)}/", greedy, (1,), int(budget)))
     out: dict[str, float] = {}
     for name, env in envs.items():
         tasks = list(env.tasks("eval", seed=seed))
         tasks = tasks[: cfg.limit] if cfg.limit else tasks
         if not tasks:
             continue
-        for prefix, sampling, ks in runs:
-            results = asyncio.run(_rollouts(env, tasks, engine, sampling, seed))
+        for prefix, sampling, ks, budget in runs:
+            if budget is None:
+                results = asyncio.run(_rollouts(env, tasks, engine, sampling, seed))
+            else:
+                sampling = dataclasses.replace(sampling, think_end_ids=think_end_ids(env))
+                budgeted = [with_budget_prompt(t, budget) for t in tasks]
+                results = asyncio.run(_rollouts(env, budgeted, engine, sampling, seed))
             if audit is not None:
                 for ts in results:
                     audit.write_all(ts, record="eval", decoding=prefix.rstrip("/") or "greedy")
@@ -157,7 +190,8 @@ def evaluate_envs(
             for key, value in summary.items():
                 out[f"{name}/{prefix}{key}"] = value
     per_env = dict(out)
-    for key in ("reward", "pass@1", "sampled/reward", "sampled/accuracy"):
+    budgets = tuple(f"budget_{int(b)}/pass@1" for b in getattr(cfg, "thinking_budgets", ()))
+    for key in ("reward", "pass@1", "sampled/reward", "sampled/accuracy", *budgets):
         vals = [v for k, v in per_env.items() if k.split("/", 1)[1] == key]
         if vals:
             out[key] = float(np.mean(vals))

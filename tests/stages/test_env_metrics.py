@@ -47,3 +47,40 @@ def test_summary_reports_hallucinated_calls_only_where_no_tools_are_declared():
     assert free["hallucinated_tool_calls"] == 0.5
     assert free["reasoning_chars"] == 1.0 and free["answer_chars"] == pytest.approx((1 + 45) / 2)
     assert "hallucinated_tool_calls" not in summarize(groups, [1], declares_tools=True)
+
+
+class RecordingEnv:
+    """A single-turn-like environment that records each request and answers correctly only
+    when the budget it was given is at least 8 (accuracy that rises with the budget)."""
+
+    name = "rec"
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.seen = tokenizer, []
+
+    def tasks(self, split, *, seed):
+        return [Task(env="rec", id=f"eval-{i}", messages=({"role": "user", "content": f"q{i}"},)) for i in range(3)]
+
+    async def rollout(self, task, engine, sampling):
+        self.seen.append((task.messages[-1]["content"], sampling))
+        ok = sampling.thinking_budget is None or sampling.thinking_budget >= 8
+        return [traj("<think>r</think>a", reward=float(ok))] * sampling.n
+
+
+def test_a_budget_sweep_states_each_budget_and_forces_the_end_of_thinking():
+    from ptrain.config.grpo import EvalAlgoConfig
+    from ptrain.data.tokenizer import build_tokenizer
+    from ptrain.stages.env_metrics import evaluate_envs
+
+    tokenizer = build_tokenizer()
+    env = RecordingEnv(tokenizer)
+    out = evaluate_envs({"rec": env}, None, EvalAlgoConfig(thinking_budgets=[0, 8]))
+    assert out["rec/pass@1"] == 1.0 and out["rec/budget_0/pass@1"] == 0.0 and out["rec/budget_8/pass@1"] == 1.0
+    assert out["budget_0/pass@1"] == 0.0 and out["budget_8/pass@1"] == 1.0
+    end = tuple(tokenizer.encode("</think>", add_special_tokens=False))
+    budgeted = [(text, s) for text, s in env.seen if s.thinking_budget is not None]
+    assert len(budgeted) == 6
+    for text, s in budgeted:
+        assert text.endswith(f"\n\n{{thinking token budget: {s.thinking_budget}}}")
+        assert s.think_end_ids == end and s.temperature == 0.0
+    assert all(s.think_end_ids == () for _, s in env.seen if s.thinking_budget is None)
