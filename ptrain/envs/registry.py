@@ -55,6 +55,12 @@ def _reasoning_gym() -> type:
     return ReasoningGymEnv
 
 
+def _judge() -> type:
+    from ptrain.envs.judge import JudgeEnv
+
+    return JudgeEnv
+
+
 def _tool_use() -> type:
     from ptrain.envs.tool_use import ToolUseEnv
 
@@ -103,6 +109,7 @@ ENV_CLASSES: dict[str, Callable[[], type]] = {
     "math": _math,
     "code": _code,
     "reasoning_gym": _reasoning_gym,
+    "judge": _judge,
     "tool_use": _tool_use,
     "long_horizon": _long_horizon,
     "terminal": _terminal,
