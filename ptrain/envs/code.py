@@ -19,7 +19,13 @@ of silent zeros.
 
 Tasks: a bundled family of generated problems (FAMILIES: list and string functions with
 reference implementations that produce the hidden tests, each with a parameter that varies
-between tasks), or JSONL rows {"prompt", "tests"} (options.path).
+between tasks), or JSONL rows {"prompt", "tests"} (options.path), optionally with "solution"
+(a reference implementation's source) and "approach" (its idea in a line).
+
+A generated family's reference is written as source: the hidden tests' expected values are
+what that source returns, and `demonstration(task)` answers with the same source in a
+```python block, after the approach as reasoning, so a demonstration passes its task's tests
+by construction. A JSONL row can be demonstrated only when it has a "solution".
 """
 
 from __future__ import annotations
@@ -160,6 +166,14 @@ def check_row(row: dict[str, Any]) -> str | None:
             ast.parse(test)
         except SyntaxError as e:
             return f"tests[{i}] does not parse as Python ({e})"
+    for key in ("solution", "approach"):
+        if key in row and not (isinstance(row[key], str) and row[key].strip()):
+            return f"{key} (optional, for demonstrations) must be a non-empty string, got {row[key]!r:.80}"
+    if "solution" in row:
+        try:
+            ast.parse(row["solution"])
+        except SyntaxError as e:
+            return f"its solution does not parse as Python ({e})"
     return None
 
 
@@ -192,12 +206,31 @@ def parse_results(stdout: str, nonce: str, n_tests: int) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class Drawn:
+    """One drawn problem of a family: what the function does, how, and the code that does it."""
+
+    description: str
+    """The statement's "... that <description>."."""
+    approach: str
+    """The idea of the solution in a line (a demonstration's reasoning)."""
+    solution: str
+    """Source of the reference function; the hidden tests' expected values are its results."""
+    inputs: Callable[[random.Random], tuple]
+    """A draw of one call's arguments."""
+
+
+@dataclass(frozen=True)
 class Family:
-    """A function-writing problem: `draw(rng)` gives (description, reference, inputs maker)."""
+    """A function-writing problem: `draw(rng)` gives a Drawn problem with its parameter set."""
 
     name: str
     signature: str
-    draw: Callable[[random.Random], tuple[str, Callable[..., Any], Callable[[random.Random], tuple]]]
+    draw: Callable[[random.Random], Drawn]
+
+    @property
+    def function(self) -> str:
+        """The function's name."""
+        return self.signature.split("(")[0]
 
 
 def _ints(rng: random.Random, lo: int = -30, hi: int = 30, max_len: int = 10) -> list[int]:
@@ -211,194 +244,178 @@ def _text(rng: random.Random, alphabet: str = string.ascii_letters + "  ", max_l
 def _filter_divisible(rng):
     k = rng.randint(2, 12)
     keep = rng.random() < 0.5
-
-    def ref(xs):
-        return [x for x in xs if (x % k == 0) == keep]
-
+    test = "==" if keep else "!="
     what = "divisible" if keep else "not divisible"
-    return (
+    return Drawn(
         f"returns the elements of the list of integers xs that are {what} by {k}, in their order",
-        ref,
+        f"Keep each x with x % {k} {test} 0, in order, with a list comprehension.",
+        f"def filter_divisible(xs):\n    return [x for x in xs if x % {k} {test} 0]\n",
         lambda r: (_ints(r),),
     )
 
 
 def _count_char(rng):
     c = rng.choice(string.ascii_lowercase)
-
-    def ref(s):
-        return s.lower().count(c)
-
-    return (
+    return Drawn(
         f"returns how many times the letter '{c}' occurs in the string s, upper or lower case",
-        ref,
+        f"Lower-case s so that '{c.upper()}' counts too, then count '{c}'.",
+        f"def count_char(s):\n    return s.lower().count('{c}')\n",
         lambda r: (_text(r, c * 4 + c.upper() * 2 + string.ascii_lowercase + " "),),
     )
 
 
 def _rotate_list(rng):
     left = rng.random() < 0.5
-
-    def ref(xs, k):
-        if not xs:
-            return []
-        k %= len(xs)
-        return xs[k:] + xs[:k] if left else xs[len(xs) - k :] + xs[: len(xs) - k]
-
     side = "left" if left else "right"
-    return (
+    cut = "k" if left else "len(xs) - k"
+    return Drawn(
         f"returns the list xs rotated {side} by k positions (k >= 0 may exceed len(xs); [] stays [])",
-        ref,
+        f"Return [] for an empty list; else take k modulo len(xs) and join the two slices cut at {cut}.",
+        "def rotate_list(xs, k):\n"
+        "    if not xs:\n"
+        "        return []\n"
+        "    k %= len(xs)\n"
+        f"    return xs[{cut}:] + xs[:{cut}]\n",
         lambda r: (_ints(r, 0, 9, 8), r.randint(0, 12)),
     )
 
 
 def _running(rng):
     op = rng.choice(["sum", "product", "maximum"])
-
-    def ref(xs):
-        out, acc = [], None
-        for x in xs:
-            acc = x if acc is None else {"sum": acc + x, "product": acc * x, "maximum": max(acc, x)}[op]
-            out.append(acc)
-        return out
-
-    return (
+    step = {"sum": "out[-1] + x", "product": "out[-1] * x", "maximum": "max(out[-1], x)"}[op]
+    return Drawn(
         f"returns the running {op} of the list of integers xs: element i is the {op} of xs[0..i]",
-        ref,
+        f"Walk xs once; each new element is {step} (the first is x itself).",
+        f"def running(xs):\n    out = []\n    for x in xs:\n        out.append({step} if out else x)\n    return out\n",
         lambda r: (_ints(r, -5, 9, 8),),
     )
 
 
 def _dedupe(rng):
     first = rng.random() < 0.5
-
-    def ref(xs):
-        if first:
-            seen, out = set(), []
-            for x in xs:
-                if x not in seen:
-                    seen.add(x)
-                    out.append(x)
-            return out
-        last = {x: i for i, x in enumerate(xs)}
-        return [x for i, x in enumerate(xs) if last[x] == i]
-
+    if first:
+        approach = "Walk xs with a set of values seen; keep a value the first time it comes."
+        solution = (
+            "def dedupe(xs):\n"
+            "    seen, out = set(), []\n"
+            "    for x in xs:\n"
+            "        if x not in seen:\n"
+            "            seen.add(x)\n"
+            "            out.append(x)\n"
+            "    return out\n"
+        )
+    else:
+        approach = "Map each value to its last index; keep the elements at those indexes, in order."
+        solution = (
+            "def dedupe(xs):\n"
+            "    last = {x: i for i, x in enumerate(xs)}\n"
+            "    return [x for i, x in enumerate(xs) if last[x] == i]\n"
+        )
     which = "first" if first else "last"
-    return (
+    return Drawn(
         f"returns xs without repeated values, keeping the {which} occurrence of each, in list order",
-        ref,
+        approach,
+        solution,
         lambda r: (_ints(r, 0, 6, 12),),
     )
 
 
 def _kth_largest(rng):
     k = rng.randint(2, 4)
-
-    def ref(xs):
-        distinct = sorted(set(xs), reverse=True)
-        return distinct[k - 1] if len(distinct) >= k else None
-
-    return (
+    return Drawn(
         f"returns the {k}-th largest distinct value of the list xs, or None when it has fewer than {k} distinct values",
-        ref,
+        f"Sort the distinct values in descending order; the answer is at index {k - 1} if there are {k}.",
+        "def kth_largest(xs):\n"
+        "    distinct = sorted(set(xs), reverse=True)\n"
+        f"    return distinct[{k - 1}] if len(distinct) >= {k} else None\n",
         lambda r: (_ints(r, -9, 9, 9),),
     )
 
 
 def _run_length(rng):
     count_first = rng.random() < 0.5
-
-    def ref(s):
-        out, i = [], 0
-        while i < len(s):
-            j = i
-            while j < len(s) and s[j] == s[i]:
-                j += 1
-            out.append(f"{j - i}{s[i]}" if count_first else f"{s[i]}{j - i}")
-            i = j
-        return "".join(out)
-
+    piece = "str(j - i) + s[i]" if count_first else "s[i] + str(j - i)"
     example = "'3a1b'" if count_first else "'a3b1'"
-    return (
+    return Drawn(
         f"returns the run-length encoding of the string s, e.g. 'aaab' -> {example} ('' -> '')",
-        ref,
+        f"Find each run s[i:j] of one character and write {piece}.",
+        "def run_length(s):\n"
+        "    out, i = [], 0\n"
+        "    while i < len(s):\n"
+        "        j = i\n"
+        "        while j < len(s) and s[j] == s[i]:\n"
+        "            j += 1\n"
+        f"        out.append({piece})\n"
+        "        i = j\n"
+        "    return ''.join(out)\n",
         lambda r: ("".join(r.choice("aab") * r.randint(1, 4) for _ in range(r.randint(0, 5))),),
     )
 
 
 def _digit_sum(rng):
     root = rng.random() < 0.5
-
-    def ref(n):
-        n = abs(n)
-        s = sum(int(d) for d in str(n))
-        while root and s >= 10:
-            s = sum(int(d) for d in str(s))
-        return s
-
+    solution = "def digit_sum(n):\n    s = sum(int(d) for d in str(abs(n)))\n"
+    if root:
+        solution += "    while s >= 10:\n        s = sum(int(d) for d in str(s))\n"
+    solution += "    return s\n"
     what = "repeats the digit sum until one digit is left (the digital root)" if root else "sums the digits"
-    return (f"takes an integer n and {what} of abs(n)", ref, lambda r: (r.randint(-(10**6), 10**6),))
+    return Drawn(
+        f"takes an integer n and {what} of abs(n)",
+        "Sum the digits of str(abs(n))" + (", again while the sum has two digits or more." if root else "."),
+        solution,
+        lambda r: (r.randint(-(10**6), 10**6),),
+    )
 
 
 def _caesar(rng):
     k = rng.randint(1, 25)
-
-    def ref(s):
-        return "".join(chr((ord(c) - 97 + k) % 26 + 97) if "a" <= c <= "z" else c for c in s)
-
-    return (
+    return Drawn(
         f"shifts every lowercase letter of the string s {k} places forward in the alphabet, wrapping from "
         "'z' to 'a', and leaves every other character as it is",
-        ref,
+        f"Map each character in 'a'..'z' to chr((ord(c) - 97 + {k}) % 26 + 97); keep the others.",
+        "def caesar(s):\n"
+        f"    return ''.join(chr((ord(c) - 97 + {k}) % 26 + 97) if 'a' <= c <= 'z' else c for c in s)\n",
         lambda r: (_text(r, string.ascii_lowercase + "XY .!"),),
     )
 
 
 def _merge_sorted(rng):
     desc = rng.random() < 0.5
-
-    def ref(a, b):
-        return sorted(a + b, reverse=desc)
-
     order = "descending" if desc else "ascending"
-    return (
+    return Drawn(
         f"merges the lists a and b, each sorted in {order} order, into one list sorted in {order} order",
-        ref,
+        f"Concatenate a and b and sort the result in {order} order.",
+        f"def merge_sorted(a, b):\n    return sorted(a + b{', reverse=True' if desc else ''})\n",
         lambda r: (sorted(_ints(r, 0, 20, 6), reverse=desc), sorted(_ints(r, 0, 20, 6), reverse=desc)),
     )
 
 
 def _max_window_sum(rng):
     w = rng.randint(2, 5)
-
-    def ref(xs):
-        if len(xs) < w:
-            return None
-        return max(sum(xs[i : i + w]) for i in range(len(xs) - w + 1))
-
-    return (
+    return Drawn(
         f"returns the largest sum of {w} consecutive elements of the list xs, or None when xs has fewer than "
         f"{w} elements",
-        ref,
+        f"Return None for fewer than {w} elements; else the max of sum(xs[i:i + {w}]) over every start i.",
+        "def max_window_sum(xs):\n"
+        f"    if len(xs) < {w}:\n"
+        "        return None\n"
+        f"    return max(sum(xs[i : i + {w}]) for i in range(len(xs) - {w} + 1))\n",
         lambda r: (_ints(r, -9, 9, 10),),
     )
 
 
 def _fizzbuzz(rng):
     a, b = sorted(rng.sample(range(2, 8), 2))
-
-    def ref(n):
-        out = []
-        for i in range(1, n + 1):
-            word = ("Fizz" if i % a == 0 else "") + ("Buzz" if i % b == 0 else "")
-            out.append(word or str(i))
-        return out
-
-    return (
+    return Drawn(
         f"returns a list of strings for i = 1..n: 'Fizz' when i is divisible by {a}, 'Buzz' when by {b}, "
         f"'FizzBuzz' when by both, else str(i)",
-        ref,
+        f"For each i join 'Fizz' if i % {a} == 0 and 'Buzz' if i % {b} == 0; an empty word becomes str(i).",
+        "def fizzbuzz(n):\n"
+        "    out = []\n"
+        "    for i in range(1, n + 1):\n"
+        f"        word = ('Fizz' if i % {a} == 0 else '') + ('Buzz' if i % {b} == 0 else '')\n"
+        "        out.append(word or str(i))\n"
+        "    return out\n",
         lambda r: (r.randint(0, 30),),
     )
 
@@ -427,24 +444,39 @@ def _call(signature: str, args: tuple) -> str:
     return f"{signature.split('(')[0]}({', '.join(repr(a) for a in args)})"
 
 
-def generate_task(rng: random.Random, family: Family, n_tests: int) -> tuple[str, list[str]]:
-    """(problem statement, hidden asserts) of one generated task."""
-    description, ref, make_inputs = family.draw(rng)
-    example = make_inputs(rng)
+def reference(family: Family, solution: str) -> Callable[..., Any]:
+    """The function a family's solution source defines (our own code, run in this process)."""
+    namespace: dict[str, Any] = {}
+    exec(compile(solution, f"<{family.name} reference>", "exec"), namespace)  # noqa: S102 - the module's own source
+    return namespace[family.function]
+
+
+def draw_task(rng: random.Random, family: Family, n_tests: int) -> dict[str, Any]:
+    """One generated task: statement, hidden asserts (the expected values are what the
+    reference solution returns), the solution source and its approach in a line."""
+    drawn = family.draw(rng)
+    ref = reference(family, drawn.solution)
+    example = drawn.inputs(rng)
     tests, seen = [], {repr(example)}
     for _ in range(50 * n_tests):
         if len(tests) == n_tests:
             break
-        args = make_inputs(rng)
+        args = drawn.inputs(rng)
         if repr(args) in seen:
             continue
         seen.add(repr(args))
         tests.append(f"assert {_call(family.signature, args)} == {ref(*args)!r}")
     statement = (
-        f"Write a Python function `{family.signature}` that {description}.\n"
+        f"Write a Python function `{family.signature}` that {drawn.description}.\n"
         f"For example, {_call(family.signature, example)} returns {ref(*example)!r}."
     )
-    return statement, tests
+    return {"statement": statement, "tests": tests, "solution": drawn.solution, "approach": drawn.approach}
+
+
+def generate_task(rng: random.Random, family: Family, n_tests: int) -> tuple[str, list[str]]:
+    """(problem statement, hidden asserts) of one generated task (`draw_task` without the solution)."""
+    task = draw_task(rng, family, n_tests)
+    return task["statement"], task["tests"]
 
 
 class CodeEnv(SingleTurnEnv):
@@ -479,7 +511,8 @@ class CodeEnv(SingleTurnEnv):
             misses = 0
             while len(drawn) < need:
                 family = FAMILIES[o.families[rng.randrange(len(o.families))]]
-                statement, tests = generate_task(rng, family, o.tests_per_task)
+                spec = draw_task(rng, family, o.tests_per_task)
+                statement, tests = spec["statement"], spec["tests"]
                 if statement in seen or not tests:
                     misses += 1
                     if misses > 100 * need + 10000:
@@ -489,7 +522,7 @@ class CodeEnv(SingleTurnEnv):
                         )
                     continue
                 seen.add(statement)
-                drawn.append({"statement": statement, "tests": tests, "setup": [], "family": family.name})
+                drawn.append({**spec, "setup": [], "family": family.name})
             held_specs, train_specs = drawn[: self.cfg.n_eval], drawn[self.cfg.n_eval :]
 
         def make(split: str, specs) -> list[Task]:
@@ -508,7 +541,29 @@ class CodeEnv(SingleTurnEnv):
         spec = {"statement": row["prompt"].rstrip(), "tests": tests, "setup": setup}
         if "id" in row:
             spec["row_id"] = row["id"]
+        for key in ("solution", "approach"):
+            if key in row:
+                spec[key] = row[key]
         return spec
+
+    def demonstration(self, task: Task) -> list[dict[str, Any]]:
+        """The turns a correct policy writes for `task` (after task.messages): one assistant
+        turn, `<think>` the approach `</think>` the reference solution in a ```python block.
+        ValueError for a JSONL row without a "solution"."""
+        solution = task.data.get("solution")
+        if not solution:
+            raise ValueError(
+                f"env {self.name} task {task.id}: the task has no reference solution, so no demonstration; give "
+                'its JSONL row a "solution" field (the function\'s source, passing its tests)'
+            )
+        answer = f"```python\n{solution.rstrip()}\n```"
+        if extract_code(answer) != solution.rstrip() + "\n":
+            raise ValueError(
+                f"env {self.name} task {task.id}: the reference solution holds ``` and cannot be put in one code "
+                "block; rewrite it without"
+            )
+        approach = task.data.get("approach") or "Write the function as the statement describes it."
+        return [{"role": "assistant", "content": f"<think>{approach}</think>{answer}"}]
 
     def extract(self, task: Task, text: str) -> str | None:
         return extract_code(text, self.options.require_code_block)

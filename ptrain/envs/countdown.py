@@ -14,7 +14,9 @@ division by zero is a wrong answer, not an exception. Anything else (`__import__
 
 Every task is built by combining some of its numbers with random operations until the
 value is an integer in [min_target, max_target], so each task has a solution
-(task.data["solution"], never shown to the policy).
+(task.data["solution"], never shown to the policy). `demonstration(task)` writes that
+solution's steps, innermost first (`95 - 11 = 84`, `84 / 4 = 21`, ...), as reasoning, then the
+expression in <answer></answer>.
 """
 
 from __future__ import annotations
@@ -170,6 +172,29 @@ def judge_countdown(expression: str, data: dict[str, Any]) -> float:
     return 1.0 if value == data["target"] else 0.0
 
 
+def _number_text(x: Fraction) -> str:
+    return str(x.numerator) if x.denominator == 1 else f"{x.numerator}/{x.denominator}"
+
+
+def steps(node: tuple) -> list[str]:
+    """The operations of an expression tree in the order they are computed, each as
+    `a op b = value` (ZeroDivisionError on a division by zero)."""
+    out: list[str] = []
+
+    def walk(n: tuple) -> Fraction:
+        if n[0] == "num":
+            return Fraction(n[1])
+        a, b = walk(n[1]), walk(n[2])
+        value = {"+": a + b, "-": a - b, "*": a * b, "/": a / b if b else None}[n[0]]
+        if value is None:
+            raise ZeroDivisionError(f"{_number_text(a)} / 0")
+        out.append(f"{_number_text(a)} {n[0]} {_number_text(b)} = {_number_text(value)}")
+        return value
+
+    walk(node)
+    return out
+
+
 def make_problem(rng: random.Random, o: Any) -> tuple[list[int], int, str] | None:
     """(numbers, target, a solution) drawn with options `o`, or None when this draw missed."""
     k = rng.randint(o.min_numbers, o.max_numbers)
@@ -234,6 +259,19 @@ class CountdownEnv(SingleTurnEnv):
 
         held, train = drawn[: self.cfg.n_eval], drawn[self.cfg.n_eval :]
         return make("train", train), make("eval", held)
+
+    def demonstration(self, task: Task) -> list[dict[str, Any]]:
+        """The turns a correct policy writes for `task` (after task.messages): one assistant
+        turn, `<think>` the solution's steps `</think><answer>` the solution `</answer>`."""
+        d = task.data
+        solution = d["solution"]
+        if judge_countdown(solution, dict(d)) != 1.0:
+            raise ValueError(
+                f"env {self.name} task {task.id}: the stored solution {solution!r} does not reach {d['target']} "
+                f"with {list(d['numbers'])}; the task's data is inconsistent"
+            )
+        reasoning = f"Reach {d['target']} with {list(d['numbers'])}.\n" + "\n".join(steps(parse_expression(solution)))
+        return [{"role": "assistant", "content": f"<think>{reasoning}</think><answer>{solution}</answer>"}]
 
     def extract(self, task: Task, text: str) -> str | None:
         answer = extract_tag(text)

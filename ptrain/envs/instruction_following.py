@@ -26,6 +26,12 @@ closed by </think>. The judge returns the fraction of the prompt's constraints m
 component `correct`); metric all_met is 1 when every one is met (IFEval's prompt-level
 accuracy). An empty response, or one longer than options.max_answer_chars, scores 0 unchecked.
 
+`demonstration(task)` builds a response that meets every constraint of the task from the
+constraint specs (a title line, an opening sentence with the required first word, the
+keywords, the bullets or paragraphs asked for, sentences about the topic up to the word count,
+the end phrase, then the case and the quotes), checks it with CHECKS, and puts a one-line
+summary of the request and its rules before it as reasoning.
+
 The split key is the whole prompt: no prompt is in both train and eval, and the eval prompts
 are drawn first, so the held-out split does not change with n_train.
 """
@@ -33,6 +39,7 @@ are drawn first, so the held-out split does not change with n_train.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 import re
 from collections.abc import Callable
@@ -259,6 +266,139 @@ def judge_instruction_following(response: str, data: dict[str, Any]) -> float:
     return sum(results) / len(results)
 
 
+# ----------------------------------------------------------------------------- demonstrations
+
+OPENERS = {
+    "Today": "Today I want to write about {topic}.",
+    "Imagine": "Imagine a whole day spent with {topic}.",
+    "Consider": "Consider {topic} for a moment.",
+    "Honestly": "Honestly {topic} deserves more attention.",
+    "Remember": "Remember that {topic} has a story of its own.",
+    "Surprisingly": "Surprisingly few people stop to think about {topic}.",
+    "Once": "Once you look closely {topic} turns out to be fascinating.",
+    "Listen": "Listen closely and {topic} has a lot to teach us.",
+}
+"""The opening sentence of a demonstration for each of FIRST_WORDS."""
+PLAIN_OPENERS = (
+    "This piece is about {topic}.",
+    "Here are a few thoughts on {topic}.",
+    "Let us take a closer look at {topic}.",
+)
+SENTENCES = (
+    "There is more to {topic} than most of us expect.",
+    "Each detail of {topic} tells a small story.",
+    "People have talked about {topic} for a long time.",
+    "It rewards anyone who takes the time to look.",
+    "A good place to start is with simple questions.",
+    "Over time the picture becomes clear.",
+    "Small changes can make a big difference here.",
+    "Many people remember their first encounter with {topic}.",
+    "It can be calm one day and busy the next.",
+    "Careful attention reveals patterns that are easy to miss.",
+    "Friends and neighbors often share their own stories about it.",
+    "The best way to learn is to try it yourself.",
+    "Old books and new ideas both have something to say.",
+    "Every season brings a different side of {topic}.",
+    "Some of the most useful lessons are also the simplest.",
+    "Curiosity is the only tool you need to begin.",
+    "It is worth sharing what you learn with others.",
+    "Questions lead to answers and answers lead to new questions.",
+    "Looking back it is clear how much there is to discover.",
+    "A quiet moment is often enough to notice something new.",
+)
+"""Sentences a demonstration is written from: no commas, none of FORBIDDEN, a topic at most."""
+BULLET_POINTS = (
+    "It has a long past.",
+    "It changes with the seasons.",
+    "It brings people together.",
+    "It rewards patience.",
+    "It teaches us to look closely.",
+    "It is easy to start.",
+    "It keeps surprising us.",
+    "It connects many places.",
+)
+"""Short bullet points (no more than the largest bullets constraint asks for)."""
+RULES = {
+    "word_count": lambda a: f"{a['relation'].replace('_', ' ')} {a['n']} words",
+    "bullets": lambda a: f"exactly {a['n']} bullet points",
+    "keywords": lambda a: f"use {a['words'][0]} and {a['words'][1]}",
+    "forbidden_word": lambda a: f"never the word {a['word']}",
+    "lowercase": lambda a: "all lowercase",
+    "uppercase": lambda a: "all capitals",
+    "end_phrase": lambda a: "end with the given phrase",
+    "quotation": lambda a: "wrap it in double quotes",
+    "paragraphs": lambda a: f"{a['n']} paragraphs split by ***",
+    "first_word": lambda a: f"start with {a['word']}",
+    "title": lambda a: "a title in << >>",
+    "no_commas": lambda a: "no commas",
+}
+"""Each constraint family in a few words (a demonstration's reasoning)."""
+_TEMPLATE_RES = [re.compile(re.escape(t).replace(re.escape("{topic}"), "(.+)") + "$") for t in TEMPLATES]
+
+
+def request_topic(request: str) -> str:
+    """The topic of a generated writing request ("this topic" for a request of another shape)."""
+    for pattern in _TEMPLATE_RES:
+        m = pattern.match(request)
+        if m:
+            return m.group(1)
+    return "this topic"
+
+
+def write_response(topic: str, constraints: list[dict[str, Any]], rng: random.Random) -> str:
+    """A response about `topic` that meets every constraint of `constraints` (which must not
+    conflict, IF_CONFLICTS); sentences are drawn with rng. Constraint families it does not
+    know are not met (the caller checks)."""
+    by = {c["family"]: c["args"] for c in constraints}
+    pool = [s.format(topic=topic) for s in SENTENCES]
+    rng.shuffle(pool)
+    drawn = itertools.cycle(pool)
+    if "first_word" in by:
+        word = by["first_word"]["word"]
+        opener = OPENERS.get(word, word + ": this is about {topic}.").format(topic=topic)
+    else:
+        opener = rng.choice(PLAIN_OPENERS).format(topic=topic)
+    intro = [opener[0].upper() + opener[1:]]
+    if "keywords" in by:
+        a, b = by["keywords"]["words"]
+        intro.append(f"Two words come to mind here: {a} and {b}.")
+    count = by.get("word_count")
+    short = count is not None and count["relation"] == "at_most"
+    title = f"<<On {topic}>>" if "title" in by else None
+    end = by["end_phrase"]["phrase"] if "end_phrase" in by else None
+    points = itertools.cycle(rng.sample(BULLET_POINTS, len(BULLET_POINTS)))
+    bullets = [f"* {next(points)}" for _ in range(by["bullets"]["n"])] if "bullets" in by else []
+    if "paragraphs" in by:
+        rest = [[next(drawn)] for _ in range(by["paragraphs"]["n"] - 1)]
+        paragraphs = [intro + ([] if short else [next(drawn)]), *rest]
+    else:
+        paragraphs = [intro + ([] if short or bullets else [next(drawn), next(drawn)])]
+
+    def assemble() -> str:
+        texts = [" ".join(p) for p in paragraphs]
+        if title:
+            texts[0] = f"{title}\n{texts[0]}"
+        if bullets:
+            texts[-1] = "\n".join([texts[-1], *bullets])
+        if end:
+            texts[-1] = f"{texts[-1]}\n{end}" if bullets else f"{texts[-1]} {end}"
+        return "\n***\n".join(texts)
+
+    if count is not None and count["relation"] == "at_least":
+        k = 0
+        while count_words(assemble()) < count["n"]:
+            paragraphs[k % len(paragraphs)].append(next(drawn))
+            k += 1
+    text = assemble()
+    if "lowercase" in by:
+        text = text.lower()
+    if "uppercase" in by:
+        text = text.upper()
+    if "quotation" in by:
+        text = f'"{text}"'
+    return text
+
+
 def compatible_subsets(families: list[str], sizes: range) -> dict[int, list[tuple[str, ...]]]:
     """Per size in `sizes`, the sets of `families` (in their order) with no pair in IF_CONFLICTS."""
     return {
@@ -313,6 +453,27 @@ class InstructionFollowingEnv(SingleTurnEnv):
         if not response or len(response) > self.options.max_answer_chars:
             return None
         return response
+
+    def demonstration(self, task: Task) -> list[dict[str, Any]]:
+        """The turns a correct policy writes for `task` (after task.messages): one assistant
+        turn, `<think>` the request and its rules in a line `</think>` a response that meets
+        every constraint (`write_response`; the sentences drawn with a seed from the task)."""
+        d = task.data
+        constraints = list(d["constraints"])
+        request = d["request"]
+        rng = random.Random(f"{task.id}/{d.get('prompt', request)}")
+        response = write_response(request_topic(request), constraints, rng)
+        unmet = [c["family"] for c, ok in zip(constraints, constraint_results(response, constraints)) if not ok]
+        limit = d.get("max_answer_chars", self.options.max_answer_chars)
+        if unmet or len(response) > limit:
+            why = f"constraints {unmet} are not met" if unmet else f"it is {len(response)} characters, over {limit}"
+            raise ValueError(
+                f"env {self.name} task {task.id}: cannot write a demonstration that meets every constraint of "
+                f"{[c['family'] for c in constraints]}: {why}"
+            )
+        rules = "; ".join(RULES[c["family"]](c["args"]) for c in constraints)
+        reasoning = f"{request} Rules: {rules}."
+        return [{"role": "assistant", "content": f"<think>{reasoning}</think>{response}"}]
 
     async def score(self, task: Task, text: str) -> Score:
         """The base score, plus metric all_met: 1 when the response met every constraint."""

@@ -13,7 +13,12 @@ hangs (`9^{9^{9^{9}}}` against 1 runs for minutes in sympy) scores 0 with the re
 and a correct answer scores 1 from whatever thread the environment runs on.
 
 Tasks: generated families (options.families: linear equations, fraction arithmetic, word
-problems from templates) or JSONL rows {"question", "answer"} (options.path).
+problems from templates) or JSONL rows {"question", "answer"} (options.path), optionally with
+"solution", the working that reaches the answer.
+
+`demonstration(task)` writes the SFT row of a task: the working as reasoning (a generated
+task's computation, kept in task.data["solution"] and never shown to the policy), then the
+answer in the prompt's format.
 """
 
 from __future__ import annotations
@@ -105,7 +110,12 @@ def latex_number(x: Fraction) -> str:
     return f"{sign}\\frac{{{abs(x.numerator)}}}{{{x.denominator}}}"
 
 
-def _linear(rng: random.Random) -> tuple[str, str]:
+def _plain(x: Fraction) -> str:
+    """A number as plain text: 7, -7/3."""
+    return str(x.numerator) if x.denominator == 1 else f"{x.numerator}/{x.denominator}"
+
+
+def _linear(rng: random.Random) -> tuple[str, str, str]:
     a = rng.choice([-1, 1]) * rng.randint(2, 12)
     b = rng.randint(-40, 40)
     c = rng.randint(-60, 60)
@@ -113,26 +123,40 @@ def _linear(rng: random.Random) -> tuple[str, str]:
     lhs = f"{'-' if a < 0 else ''}{abs(a)}x"
     if b:
         lhs += f" {'+' if b > 0 else '-'} {abs(b)}"
-    return f"Solve for x: {lhs} = {c}.", latex_number(x)
+    steps = [f"{lhs} = {c}."]
+    if b:
+        steps.append(f"{'Subtract' if b > 0 else 'Add'} {abs(b)}: {a}x = {c - b}.")
+    divisor = f"({a})" if a < 0 else str(a)
+    steps.append(f"Divide by {a}: x = {c - b} / {divisor} = {_plain(x)}.")
+    return f"Solve for x: {lhs} = {c}.", latex_number(x), " ".join(steps)
 
 
-def _fractions(rng: random.Random) -> tuple[str, str]:
+def _fractions(rng: random.Random) -> tuple[str, str, str]:
     p, q = rng.randint(1, 12), rng.randint(2, 12)
     r, s = rng.randint(1, 12), rng.randint(2, 12)
     op = rng.choice(["+", "-", "\\times", "\\div"])
     x, y = Fraction(p, q), Fraction(r, s)
     value = {"+": x + y, "-": x - y, "\\times": x * y, "\\div": x / y}[op]
+    if op in ("+", "-"):
+        top = p * s + r * q if op == "+" else p * s - r * q
+        steps, last = f"{p}/{q} {op} {r}/{s} = {p * s}/{q * s} {op} {r * q}/{q * s}", f"{top}/{q * s}"
+    elif op == "\\times":
+        steps, last = f"{p}/{q} * {r}/{s}", f"{p * r}/{q * s}"
+    else:
+        steps, last = f"{p}/{q} / ({r}/{s}) = {p}/{q} * {s}/{r}", f"{p * s}/{q * r}"
+    lowest = _plain(value)
     return (
         f"Compute $\\frac{{{p}}}{{{q}}} {op} \\frac{{{r}}}{{{s}}}$. Give the result as a fraction in lowest terms "
         "(or an integer).",
         latex_number(value),
+        f"{steps} = {last}" + (f" = {lowest}." if lowest != last else "."),
     )
 
 
 _NAMES = ("Ava", "Ben", "Chloe", "Dev", "Emma", "Farid", "Grace", "Hugo", "Ines", "Jonas")
 
 
-def _word(rng: random.Random) -> tuple[str, str]:
+def _word(rng: random.Random) -> tuple[str, str, str]:
     kind = rng.randrange(5)
     name = rng.choice(_NAMES)
     if kind == 0:
@@ -142,7 +166,7 @@ def _word(rng: random.Random) -> tuple[str, str]:
             f"A bakery bakes {a} loaves of bread every day for {d} days and sells {s} of them. "
             "How many loaves are left?"
         )
-        return q, str(a * d - s)
+        return q, str(a * d - s), f"Baked: {a} * {d} = {a * d}. Left: {a * d} - {s} = {a * d - s}."
     if kind == 1:
         a, b, c = rng.randint(5, 50), rng.randint(2, 9), rng.randint(3, 15)
         g = rng.randint(1, a + b * c - 1)
@@ -150,31 +174,38 @@ def _word(rng: random.Random) -> tuple[str, str]:
             f"{name} has {a} marbles, buys {b} bags of {c} marbles each, then gives away {g} marbles. "
             f"How many marbles does {name} have now?"
         )
-        return q, str(a + b * c - g)
+        steps = (
+            f"Bought: {b} * {c} = {b * c}. Then {a} + {b * c} = {a + b * c}, and {a + b * c} - {g} = {a + b * c - g}."
+        )
+        return q, str(a + b * c - g), steps
     if kind == 2:
         v, h, w, k = rng.randint(40, 120), rng.randint(1, 6), rng.randint(40, 120), rng.randint(1, 6)
         q = (
             f"A train runs at {v} km per hour for {h} hours, then at {w} km per hour for {k} hours. "
             "How many kilometres does it cover in total?"
         )
-        return q, str(v * h + w * k)
+        steps = f"{v} * {h} = {v * h} km, then {w} * {k} = {w * k} km. Total: {v * h} + {w * k} = {v * h + w * k}."
+        return q, str(v * h + w * k), steps
     if kind == 3:
         p, c, m, n = rng.randint(8, 30), rng.randint(3, 15), rng.randint(1, 9), rng.randint(1, 9)
         q = (
             f"A museum ticket costs {p} dollars for an adult and {c} dollars for a child. How many dollars do "
             f"{m} adults and {n} children pay together?"
         )
-        return q, str(p * m + c * n)
+        steps = (
+            f"Adults: {m} * {p} = {p * m}. Children: {n} * {c} = {c * n}. Total: {p * m} + {c * n} = {p * m + c * n}."
+        )
+        return q, str(p * m + c * n), steps
     n, k, e = rng.randint(2, 9), rng.randint(3, 20), rng.randint(1, 9)
     q = (
         f"{n} friends share {n * k} stickers equally, then each gets {e} more from their teacher. "
         "How many stickers does each friend have now?"
     )
-    return q, str(k + e)
+    return q, str(k + e), f"Each gets {n * k} / {n} = {k}, then {k} + {e} = {k + e}."
 
 
 FAMILIES = {"linear": _linear, "fractions": _fractions, "word": _word}
-"""Generated family -> (rng -> (question, reference answer))."""
+"""Generated family -> (rng -> (question, reference answer, the working that reaches it))."""
 
 
 def check_row(row: dict[str, Any]) -> str | None:
@@ -185,6 +216,12 @@ def check_row(row: dict[str, Any]) -> str | None:
     answer = row["answer"]
     if isinstance(answer, bool) or not isinstance(answer, str | int | float) or not str(answer).strip():
         return f"answer must be a non-empty string (or a number), got {answer!r}"
+    solution = row.get("solution")
+    if solution is not None and (not isinstance(solution, str) or "think>" in solution):
+        return (
+            "solution (optional: the working, for demonstrations) must be a string without <think> tags, got "
+            f"{solution!r:.80}"
+        )
     return None
 
 
@@ -212,7 +249,7 @@ class MathEnv(SingleTurnEnv):
             misses = 0
             while len(rows) < need:
                 family = o.families[rng.randrange(len(o.families))]
-                question, answer = FAMILIES[family](rng)
+                question, answer, working = FAMILIES[family](rng)
                 if question in seen:
                     misses += 1
                     if misses > 100 * need + 10000:
@@ -222,7 +259,7 @@ class MathEnv(SingleTurnEnv):
                         )
                     continue
                 seen.add(question)
-                rows.append({"question": question, "answer": answer, "family": family})
+                rows.append({"question": question, "answer": answer, "family": family, "solution": working})
             held_rows, train_rows = rows[: self.cfg.n_eval], rows[self.cfg.n_eval :]
 
         def make(split: str, rows: list[dict[str, Any]]) -> list[Task]:
@@ -231,6 +268,8 @@ class MathEnv(SingleTurnEnv):
                 data = {"answer": str(row["answer"]), **({"family": row["family"]} if "family" in row else {})}
                 if "id" in row:
                     data["row_id"] = row["id"]
+                if row.get("solution") is not None:
+                    data["solution"] = row["solution"]
                 content = f"{row['question']}\n\n{self.instruction()}"
                 out.append(self.task(split, i, self.user(content), data))
             return out
@@ -242,3 +281,21 @@ class MathEnv(SingleTurnEnv):
 
     def judge_args(self, task: Task, answer: str) -> tuple:
         return (answer, task.data["answer"])
+
+    def demonstration(self, task: Task) -> list[dict[str, Any]]:
+        """The turns a correct policy writes for `task` (after task.messages): one assistant
+        turn, `<think>` the working `</think>` the reference answer in the prompt's format
+        (\\boxed{...} or <answer>...</answer>). A generated task's working is its computation;
+        a JSONL row's is its optional "solution" field, else one sentence stating the answer."""
+        answer = str(task.data["answer"])
+        working = task.data.get("solution") or f"The answer to this question is {answer}."
+        if self.options.answer_format == "boxed":
+            final = f"\\boxed{{{answer}}}"
+        else:
+            final = f"<answer>{answer}</answer>"
+        if extract_math_answer(final) != answer.strip():
+            raise ValueError(
+                f"env {self.name} task {task.id}: the reference answer {answer!r:.80} does not come back out of "
+                f"{final!r:.80} (unbalanced braces?); fix the task's answer"
+            )
+        return [{"role": "assistant", "content": f"<think>{working}</think>{final}"}]

@@ -30,6 +30,11 @@ one option is right and the options are distinct:
     letter_count     how often a letter occurs in a word
     alphabetical     which word comes first in alphabetical order
 
+`demonstration(task)` works the question out from its stem and options (the sum column by
+column, the conversion factor, the decimals in order, a factor of every composite, the
+letter's positions, the words sorted), names the option that holds the result, and answers
+with its letter in \\boxed{}.
+
 A question's stem decides the split: no stem (with its option set, for the families whose
 options are the question) is in both train and eval. The eval tasks are drawn first, so the
 held-out split does not change with n_train.
@@ -43,6 +48,7 @@ from fractions import Fraction
 from typing import Any
 
 from ptrain.config.env_verifiable import MCQA_MAX_CHOICES
+from ptrain.data.tasks import Problem, worked_solution
 from ptrain.envs.base import Task
 from ptrain.envs.single_turn import SingleTurnEnv, draw_distinct
 
@@ -79,6 +85,8 @@ UNITS = (
     ("yards", "feet", 3),
 )
 """(larger unit, smaller unit, how many of the smaller make one larger)."""
+SINGULAR = {"feet": "foot", "inches": "inch"}
+"""Unit names whose singular is not the plural without its s."""
 FACTORS = sorted({f for _, _, f in UNITS} | {1, 2, 5, 36, 100, 3600})
 """Factors that make a unit_conversion distractor: the result of a wrong conversion."""
 
@@ -226,6 +234,58 @@ def extract_letter(text: str, n_options: int) -> str | None:
     return None
 
 
+def _smallest_factor(n: int) -> int | None:
+    return next((d for d in range(2, int(n**0.5) + 1) if n % d == 0), None)
+
+
+def working(data: dict[str, Any]) -> str:
+    """How to find the right option of a generated question (data: a make_question dict), up to
+    the value it names; ValueError for a family or stem it does not know."""
+    family, stem, options = data["family"], data["question"], data["options"]
+    if family == "arithmetic":
+        a, op, b = stem.removeprefix("What is ").removesuffix("?").split()
+        x, y = int(a), int(b)
+        if op != "*":
+            *columns, _ = worked_solution(Problem(op, x, y)).split("\n")
+            return "\n".join(columns) + f"\nSo {x} {op} {y} = {x + y if op == '+' else x - y}."
+        if y <= 10:
+            return f"{x} * {y} = {x * y}."
+        return f"{x} * {y} = {x} * 10 + {x} * {y - 10} = {x * 10} + {x * (y - 10)} = {x * y}."
+    if family == "unit_conversion":
+        words = stem.removeprefix("How many ").removesuffix("?").split()
+        into = words[1:3] == ["are", "in"]  # "How many small are in v big?", else "How many big are n small?"
+        small, big = (words[0], words[-1]) if into else (words[-1], words[0])
+        f = next((f for b, s, f in UNITS if (b, s) == (big, small)), None)
+        if f is not None:
+            n = int(words[-2])
+            one = f"1 {SINGULAR.get(big, big.removesuffix('s'))} = {f} {small}"
+            if into:
+                return f"{one}, so {n} {big} = {n} * {f} = {n * f} {small}."
+            return f"{one}, so {n} {small} = {n} / {f} = {n // f} {big}."
+    if family == "comparison":
+        order = sorted(options, key=Fraction)
+        if "largest" in stem:
+            return f"In order: {' < '.join(order)}. The largest is {order[-1]}."
+        return f"In order: {' < '.join(order)}. The smallest is {order[0]}."
+    if family == "prime":
+        parts = []
+        for text in options:
+            n = int(text)
+            d = _smallest_factor(n)
+            parts.append(f"{text} = {d} * {n // d}" if d else f"{text} has no divisor from 2 to {int(n**0.5)}")
+        prime = next(t for t in options if _is_prime(int(t)))
+        return "; ".join(parts) + f". So {prime} is prime."
+    if family == "letter_count":
+        letter, word = stem.split("'")[1], stem.split("'")[3]
+        at = [str(i + 1) for i, c in enumerate(word) if c == letter]
+        where = f"position{'s' if len(at) > 1 else ''} {', '.join(at)}"
+        return f"{' '.join(word)}: '{letter}' is at {where}, so {len(at)} time{'' if len(at) == 1 else 's'}."
+    if family == "alphabetical":
+        order = sorted(options)
+        return f"Sorted: {', '.join(order)}. First: {order[0]}."
+    raise ValueError(f"mcqa cannot work out a {family!r} question: {stem!r}")
+
+
 def judge_mcqa(letter: str, data: dict[str, Any]) -> float:
     """1.0 when `letter` is the question's right letter, else 0.0."""
     return 1.0 if isinstance(letter, str) and letter == data["answer"] else 0.0
@@ -261,3 +321,19 @@ class McqaEnv(SingleTurnEnv):
 
     def extract(self, task: Task, text: str) -> str | None:
         return extract_letter(text, len(task.data["options"]))
+
+    def demonstration(self, task: Task) -> list[dict[str, Any]]:
+        """The turns a correct policy writes for `task` (after task.messages): one assistant
+        turn, `<think>` the working (`working`) and the option it points to `</think>` the
+        right letter in \\boxed{}."""
+        d = task.data
+        letter = d["answer"]
+        right = d["options"][LETTERS.index(letter)]
+        steps = working(dict(d))
+        if right not in steps:
+            raise ValueError(
+                f"env {self.name} task {task.id}: the working of {d['question']!r} does not reach the right option "
+                f"{right!r}; the task's options or answer do not match its question"
+            )
+        reasoning = f"{steps}\nThat is option {letter}) {right}."
+        return [{"role": "assistant", "content": f"<think>{reasoning}</think>\\boxed{{{letter}}}"}]

@@ -30,6 +30,10 @@ object validates against the schema (`schema_error`: types, required keys, no ot
 members, array item types; integer accepts a number with no fractional part, as JSON Schema
 does; booleans are never numbers) and every value the prompt gave is there, equal to it.
 
+`demonstration(task)` writes the object with every given value, properties in the schema's
+order (optional ones without a given value left out), after one line of reasoning that names
+the record and its required properties.
+
 The validator is written for the subset of JSON Schema this module generates (type,
 properties, required, additionalProperties, items, enum, minItems, maxItems) and raises
 ValueError on any other keyword, so that a schema it cannot check is an error, not a pass.
@@ -414,6 +418,32 @@ class StructuredOutputEnv(SingleTurnEnv):
             ]
 
         return make("train", drawn[self.cfg.n_eval :]), make("eval", drawn[: self.cfg.n_eval])
+
+    def demonstration(self, task: Task) -> list[dict[str, Any]]:
+        """The turns a correct policy writes for `task` (after task.messages): one assistant
+        turn, `<think>` what the record needs `</think>` the JSON object (bare, one line)."""
+        d = task.data
+        schema, expected = d["schema"], d["expected"]
+        missing = [k for k in schema.get("required", []) if k not in expected]
+        if missing:
+            raise ValueError(
+                f"env {self.name} task {task.id}: required properties {missing} have no given value, so no "
+                "demonstration can be written from the task; give every required property a value"
+            )
+        value = {k: expected[k] for k in schema["properties"] if k in expected}
+        answer = json.dumps(value)
+        if judge_structured_output(answer, dict(d)) != 1.0:
+            raise ValueError(
+                f"env {self.name} task {task.id}: the given values {answer:.200} do not validate against the "
+                "task's schema; the task is inconsistent"
+            )
+        required = schema.get("required", [])
+        optional = [k for k in value if k not in required]
+        reasoning = f"The {d['noun']} record needs {', '.join(required) or 'no property'}"
+        if optional:
+            reasoning += f", and the prompt also gives {', '.join(optional)}"
+        reasoning += ". Only schema keys, with the given values."
+        return [{"role": "assistant", "content": f"<think>{reasoning}</think>{answer}"}]
 
     def extract(self, task: Task, text: str) -> str | None:
         answer = answer_text(text)

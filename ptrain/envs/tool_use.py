@@ -15,17 +15,41 @@ The policy ends with a line `Answer: <answer>`; the reward component `correct` i
 options.correct_reward when the last such line matches (numbers by value, text ignoring case,
 articles and punctuation), judged in a reward worker (ptrain.envs.safety). Metrics: correct,
 answered (an Answer line at all), used_tool (the family's tool was called at least once).
+
+`demonstration(task)` is the episode a correct policy has: a turn with reasoning and one call
+of the family's tool (task.data["call"], made with the task and never shown to the policy),
+the tool's result as the loop appends it (the call really runs, the python one in the
+sandbox), and a last turn that reads the answer off that result (the file's rows of the item
+added up) and ends with `Answer: ...`. A result that does not support the answer (a file cut at
+max_tool_output_chars, a corpus whose top hit misses the fact) is a ValueError, not a
+demonstration.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import csv
+import io
+import json
 import math
+import os
 import random
 import re
+import shutil
+import tempfile
 from typing import Any
 
-from ptrain.envs.multi_turn import MultiTurnEnv, Score, final_answer
-from ptrain.envs.tools import Corpus
+from ptrain.envs.base import Task
+from ptrain.envs.multi_turn import (
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    MultiTurnEnv,
+    Score,
+    final_answer,
+    parse_tool_calls,
+)
+from ptrain.envs.tools import Corpus, ToolContext, Workspace
 
 SYSTEM_PROMPT = (
     "You are a careful assistant with tools. Call a tool whenever a question needs exact arithmetic, a file "
@@ -88,7 +112,9 @@ def _calculator_task(rng: random.Random) -> dict[str, Any]:
     op = rng.choice("+-")
     expr = f"{a} * {b} {op} {c} * {d}"
     value = a * b + (c * d if op == "+" else -c * d)
-    return {"question": f"What is {expr}? Give the exact integer.", "answer": str(value), "tool": "calculator"}
+    return {"question": f"What is {expr}? Give the exact integer.", "answer": str(value), "tool": "calculator",
+            "call": {"name": "calculator", "arguments": {"expression": expr}},
+            "plan": "Exact arithmetic on large numbers: use the calculator."}  # fmt: skip
 
 
 def _file_task(rng: random.Random, k: int) -> dict[str, Any]:
@@ -107,6 +133,9 @@ def _file_task(rng: random.Random, k: int) -> dict[str, Any]:
         "answer": str(total),
         "tool": "read_file",
         "files": {path: content, "README.txt": "Order exports, one CSV per warehouse.\n"},
+        "call": {"name": "read_file", "arguments": {"path": path}},
+        "plan": f"The orders are in {path}: read it, then add up the quantities of {target}.",
+        "item": target,
     }
 
 
@@ -120,7 +149,8 @@ def _search_task(rng: random.Random, corpus: Corpus) -> dict[str, Any]:
     doc, key = rng.choice(candidates)
     question = _FACT_QUESTIONS[key].format(title=doc.title)
     return {"question": f"{question} Look it up in the reference corpus.", "answer": str(doc.facts[key]),
-            "tool": "search"}  # fmt: skip
+            "tool": "search", "call": {"name": "search", "arguments": {"query": question, "k": 1}},
+            "plan": f"A fact about {doc.title}: search the corpus for it."}  # fmt: skip
 
 
 def _primes_below(n: int) -> int:
@@ -132,22 +162,49 @@ def _primes_below(n: int) -> int:
     return sum(sieve)
 
 
+def _python_spec(question: str, answer: Any, code: str, plan: str) -> dict[str, Any]:
+    return {"question": question, "answer": str(answer), "tool": "python", "plan": plan,
+            "call": {"name": "python", "arguments": {"code": code}}}  # fmt: skip
+
+
 def _python_task(rng: random.Random) -> dict[str, Any]:
     kind = rng.randrange(3)
     if kind == 0:
         a, b = rng.randint(3, 9), rng.randint(40, 120)
-        return {"question": f"What is the sum of the decimal digits of {a}**{b}?",
-                "answer": str(sum(map(int, str(a**b)))), "tool": "python"}  # fmt: skip
+        return _python_spec(
+            f"What is the sum of the decimal digits of {a}**{b}?", sum(map(int, str(a**b))),
+            f"print(sum(int(d) for d in str({a} ** {b})))",
+            f"{a}**{b} has too many digits to add by hand: sum them in python.",
+        )  # fmt: skip
     if kind == 1:
         n = rng.randint(2_000, 50_000)
-        return {"question": f"How many prime numbers are smaller than {n}?", "answer": str(_primes_below(n)),
-                "tool": "python"}  # fmt: skip
+        code = (
+            f"n = {n}\nsieve = [True] * n\nsieve[0] = sieve[1] = False\n"
+            "for p in range(2, int(n ** 0.5) + 1):\n    if sieve[p]:\n"
+            "        sieve[p * p :: p] = [False] * len(range(p * p, n, p))\nprint(sum(sieve))"
+        )
+        return _python_spec(f"How many prime numbers are smaller than {n}?", _primes_below(n), code,
+                            f"Count the primes below {n} with a sieve in python.")  # fmt: skip
     n, m = rng.randint(200, 2000), rng.randint(1000, 9999)
     x, y = 0, 1
     for _ in range(n):
         x, y = y, (x + y) % m
-    return {"question": f"With F(0) = 0 and F(1) = 1, what is the Fibonacci number F({n}) modulo {m}?",
-            "answer": str(x), "tool": "python"}  # fmt: skip
+    return _python_spec(
+        f"With F(0) = 0 and F(1) = 1, what is the Fibonacci number F({n}) modulo {m}?", x,
+        f"x, y = 0, 1\nfor _ in range({n}):\n    x, y = y, (x + y) % {m}\nprint(x)",
+        f"Step the Fibonacci pair {n} times modulo {m} in python.",
+    )  # fmt: skip
+
+
+def _blocking(coro):
+    """Run a coroutine to completion from sync code, on a thread of its own when this thread
+    already runs an event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
 
 
 class ToolUseEnv(MultiTurnEnv):
@@ -178,11 +235,71 @@ class ToolUseEnv(MultiTurnEnv):
                 else:
                     spec = _python_task(rng)
                 data = {"family": family, "answer": spec["answer"], "tool": spec["tool"],
-                        "files": spec.get("files", {})}  # fmt: skip
+                        "files": spec.get("files", {}), "call": spec["call"], "plan": spec["plan"]}  # fmt: skip
+                if "item" in spec:
+                    data["item"] = spec["item"]
                 messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": spec["question"]}]
                 tasks.append(self.task(split, i, messages, data))
             out.append(tasks)
         return out[0], out[1]
+
+    def demonstration(self, task: Task) -> list[dict[str, Any]]:
+        """The turns a correct policy writes for `task` (after task.messages): an assistant turn
+        `<think>` plan `</think>` one tool call; the tool message the loop appends (the call is
+        run, blocking); an assistant turn `<think>` what the result shows `</think>Answer: ...`.
+        ValueError when the result does not give the answer."""
+        return _blocking(self._demonstrate(task))
+
+    async def _demonstrate(self, task: Task) -> list[dict[str, Any]]:
+        d = task.data
+        if "call" not in d:
+            raise ValueError(f"env {self.name} task {task.id}: the task has no tool call to demonstrate; make it "
+                             "with this environment's tasks()")  # fmt: skip
+        call = d["call"]
+        first = f"<think>{d['plan']}</think>{TOOL_CALL_OPEN}\n{json.dumps(call)}\n{TOOL_CALL_CLOSE}"
+        (parsed,) = parse_tool_calls(first)
+        folder = tempfile.mkdtemp(prefix="ptrain-demonstration-")
+        try:
+            workspace = Workspace(os.path.join(folder, "workspace"), max_bytes=self.options.workspace_mb << 20)
+            await self.setup_workspace(task, workspace)
+            ctx = ToolContext(workspace, self.sandbox, self.options.max_tool_output_chars, self.options.tool_timeout_s)
+            result = await self._answer(parsed.to_dict(), 0, tuple(self.tools), ctx)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        output = result["output"]
+        if result["error"]:
+            raise ValueError(f"env {self.name} task {task.id}: the demonstration's {call['name']} call failed: "
+                             f"{result['error']}")  # fmt: skip
+        answer = str(d["answer"])
+        reasoning = self._reading(task, output)
+        return [
+            {"role": "assistant", "content": first},
+            {"role": "tool", "name": call["name"], "content": output},
+            {"role": "assistant", "content": f"<think>{reasoning}</think>Answer: {answer}"},
+        ]
+
+    def _reading(self, task: Task, output: str) -> str:
+        """What the tool's output shows, up to the answer; ValueError when it does not show it."""
+        d = task.data
+        answer, family = str(d["answer"]), d["family"]
+        if family == "file":
+            try:
+                rows = list(csv.DictReader(io.StringIO(output)))
+                quantities = [int(r["quantity"]) for r in rows if r.get("item") == d["item"]]
+            except (KeyError, TypeError, ValueError):
+                quantities = []
+            if quantities and str(sum(quantities)) == answer:
+                added = " + ".join(map(str, quantities)) + (f" = {answer}" if len(quantities) > 1 else "")
+                return f"Quantities of {d['item']}: {added}."
+        elif family == "search":
+            if re.search(rf"(?<!\w){re.escape(answer)}(?!\w)", output):
+                return f"The result states it: {answer}."
+        elif output.strip() == answer:
+            return f"The {'calculator gives' if family == 'calculator' else 'program printed'} {answer}."
+        raise ValueError(
+            f"env {self.name} task {task.id}: the {d['call']['name']} result does not give the answer {answer!r} "
+            f"(cut at options.max_tool_output_chars={self.options.max_tool_output_chars}?): {output[:200]!r}"
+        )
 
     async def score(self, task, state, workspace) -> Score:
         reply = final_answer(state) if state.finish_reason == "stop" else ""
