@@ -33,13 +33,14 @@ def stage_dir(run: RunConfig, name: str) -> str:
 
 def initial_weights(run: RunConfig, index: int) -> str | None:
     """The HF folder a stage starts from; None means the embedded model built from config.
-    "previous" looks through stages that export nothing (eval) to the weights they read."""
+    "previous" looks through stages that export no policy (eval: nothing; rm: a reward
+    model) to the weights they read."""
     stage = run.stages[index]
     if stage.init == "base" or (stage.init == "previous" and index == 0):
         return run.model.hf_path
     if stage.init == "previous":
         prev = run.stages[index - 1]
-        if not STAGES[prev.kind].exports:
+        if not (STAGES[prev.kind].exports and STAGES[prev.kind].exports_policy):
             return initial_weights(run, index - 1)
         return os.path.join(stage_dir(run, prev.name), "export")
     return stage.init

@@ -1,9 +1,10 @@
-"""The algorithms' settings (Hydra group `algo/`): SFT, the DPO family, and (from grpo.py)
-the GRPO family and environment evaluation.
+"""The algorithms' settings (Hydra group `algo/`): SFT, the DPO family, Bradley-Terry
+reward models, and (from grpo.py) the GRPO family and environment evaluation.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ptrain.config.grpo import EvalAlgoConfig, GRPOAlgoConfig
@@ -66,7 +67,45 @@ class DPOAlgoConfig:
     policy_eval_pairs: int = 128
     """With policy_pairs > 0: held-out prompts sampled and graded the same way into the
     held-out pairs the stage's preference metrics read (pairs drawn like the training ones).
-    0: those metrics read the data's own held-out pairs. Must be >= 0."""
+    0: those metrics read the data's own held-out pairs. Must be >= 0. With env_pairs > 0:
+    held-out tasks of each environment sampled into held-out pairs."""
+    env_pairs: int = 0
+    """0: pairs come from data (or policy_pairs). N > 0: before training, sample
+    `policy_samples` episodes of each of N tasks drawn from the stage's environments and pair
+    them in Nemotron 3 Nano's categories: correctness decides, and where an environment
+    declares no tools any sample that calls one is rejected (ptrain/stages/env_pairs.py).
+    Must be >= 0; excludes policy_pairs."""
+
+
+@dataclass
+class RMAlgoConfig:
+    """A reward-model stage (kind rm): a scalar score r(x, y) read at each sequence's last
+    token, trained on preference pairs with the Bradley-Terry loss
+    -log sigmoid(r(chosen) - r(rejected) - margin) + center_rewards_coef * (r(chosen) + r(rejected))^2
+    (Ouyang et al. 2022, arXiv 2203.02155; the centring term is TRL RewardTrainer's)."""
+
+    margin: float = 0.0
+    """Fixed margin the chosen score must clear over the rejected one before the loss lets
+    go (Llama 2's margin loss, Touvron et al. 2023, with one margin for every pair). >= 0,
+    in reward units; 0 is the plain Bradley-Terry loss."""
+    center_rewards_coef: float = 0.0
+    """Weight of the (r(chosen) + r(rejected))^2 penalty that keeps the scores centred on
+    zero (Eisenstein et al. 2023, arXiv 2312.09244; TRL uses 0.01). >= 0; 0 leaves the
+    scores' offset free, which the Bradley-Terry loss alone never pins down."""
+
+
+def validate_rm(cfg: RMAlgoConfig, check) -> None:
+    """Reject impossible values; `check(cond, key, message)` raises naming the key."""
+    check(
+        math.isfinite(cfg.margin) and cfg.margin >= 0,
+        "algo.rm.margin",
+        f"must be a finite number >= 0 (0: no margin), got {cfg.margin}",
+    )
+    check(
+        math.isfinite(cfg.center_rewards_coef) and cfg.center_rewards_coef >= 0,
+        "algo.rm.center_rewards_coef",
+        f"must be a finite number >= 0 (0: off; TRL uses 0.01), got {cfg.center_rewards_coef}",
+    )
 
 
 @dataclass
@@ -75,6 +114,8 @@ class AlgoConfig:
     """Settings of SFT stages."""
     dpo: DPOAlgoConfig = field(default_factory=DPOAlgoConfig)
     """Settings of DPO-family stages."""
+    rm: RMAlgoConfig = field(default_factory=RMAlgoConfig)
+    """Settings of reward-model stages (kind rm)."""
     grpo: GRPOAlgoConfig = field(default_factory=GRPOAlgoConfig)
     """Settings of GRPO-family stages (ptrain/config/grpo.py)."""
     eval: EvalAlgoConfig = field(default_factory=EvalAlgoConfig)

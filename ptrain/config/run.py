@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from ptrain.config import choices as C
-from ptrain.config.algo import AlgoConfig
+from ptrain.config.algo import AlgoConfig, validate_rm
 from ptrain.config.choices import one_of
 from ptrain.config.cost import CostConfig
 from ptrain.config.data import DataConfig, validate_data_config
@@ -530,6 +530,12 @@ def _validate_values(run: RunConfig, where: str = "") -> None:
         "algo.dpo.policy_pairs",
         f"must be >= 0 (0: the data's own pairs), got {a.dpo.policy_pairs}",
     )
+    c(a.dpo.env_pairs >= 0, "algo.dpo.env_pairs", f"must be >= 0 (0: pairs from data), got {a.dpo.env_pairs}")
+    c(not (a.dpo.env_pairs and a.dpo.policy_pairs), "algo.dpo.env_pairs",
+      "pairs come from the environments (env_pairs) or from the data's prompts (policy_pairs), not both; "
+      "set one of them to 0")  # fmt: skip
+    c(not a.dpo.env_pairs or bool(run.envs), "algo.dpo.env_pairs",
+      "env_pairs samples the run's environments and it has none; add env=<kind>, or set it to 0")  # fmt: skip
     c(a.dpo.policy_samples >= 1, "algo.dpo.policy_samples", f"must be >= 1, got {a.dpo.policy_samples}")
     c(a.dpo.policy_temperature >= 0, "algo.dpo.policy_temperature", f"must be >= 0, got {a.dpo.policy_temperature}")
     c(
@@ -544,6 +550,7 @@ def _validate_values(run: RunConfig, where: str = "") -> None:
         "algo.dpo.policy_max_new_tokens",
         f"must be >= 1, got {a.dpo.policy_max_new_tokens}",
     )
+    validate_rm(a.rm, c)
     validate_grpo(a.grpo, c)
     validate_eval(a.eval, c)
     ro = run.rollout

@@ -23,6 +23,10 @@ class StageKind:
     exports: bool = True
     """The kind writes new weights to export/ (eval does not: the next stage starts from
     the weights it evaluated)."""
+    exports_policy: bool = True
+    """What it exports is a policy (a causal LM) the next stage can start from. rm exports a
+    reward model (a sequence classifier): a stage after it with init=previous starts from
+    the weights the rm stage started from, as after eval."""
 
 
 STAGES: dict[str, StageKind] = {
@@ -30,6 +34,7 @@ STAGES: dict[str, StageKind] = {
     "dpo": StageKind(data_format="preference"),
     "grpo": StageKind(samples=True),
     "eval": StageKind(samples=True, exports=False),
+    "rm": StageKind(data_format="preference", exports_policy=False),
 }
 
 
@@ -38,10 +43,11 @@ class StageConfig:
     name: str = "sft"
     """Unique stage name; its files live in <run_dir>/stages/<name>/."""
     kind: str = "sft"
-    """Which driver runs it: a kind of ptrain.config.stages.STAGES (sft | dpo | grpo | eval)."""
+    """Which driver runs it: a kind of ptrain.config.stages.STAGES (sft | dpo | grpo | eval | rm)."""
     init: str = "previous"
-    """Starting weights: previous (the preceding stage's export; the base model for the
-    first stage) | base (the model group's weights) | a local Hugging Face folder path."""
+    """Starting weights: previous (the preceding stage's export, looking through eval and rm
+    stages to the weights they started from; the base model for the first stage) | base (the
+    model group's weights) | a local Hugging Face folder path (a causal LM)."""
     train: dict[str, Any] = field(default_factory=dict)
     """Overrides of the top-level `train` node for this stage only."""
     optim: dict[str, Any] = field(default_factory=dict)

@@ -4,6 +4,7 @@ MoE (Qwen3-MoE, Mixtral, DeepSeek-V3-style routing) families.
     model = Decoder(cfg, rngs=nnx.Rngs(cfg.seed))
     logits_BxLxV = model(input_ids_BxL, positions_BxL, segment_ids_BxL)
     logits_BxLxV, aux = model(input_ids_BxL, return_aux=True)   # aux: ModelAux
+    scores_B = RewardModel(model, rngs=..., pad_token_id=pad)(input_ids_BxL, segment_ids=seg_BxL)
 
 Layers come in groups: each run of consecutive layers with the same MLP kind (dense or
 MoE, per `moe_layer_flags`) is one group, held in the attribute `dense_blocks` /
@@ -347,6 +348,82 @@ class Decoder(nnx.Module):
         """
         h, _, new_caches = self._trunk(input_ids_BxT, positions_BxT, mask_BxTxS, caches, cache_index)
         return self.logits_from_hidden(h), new_caches
+
+
+def last_token_index(
+    input_ids_BxL: jax.Array, segment_ids_BxL: jax.Array | None = None, pad_token_id: int | None = None
+) -> jax.Array:
+    """Index [B] (int32) of the token each row is scored at: the rightmost real token
+    (segment id > 0) whose id is not `pad_token_id`.
+
+    This is transformers' *ForSequenceClassification rule (the rightmost token that is not
+    pad_token_id, whatever the padding side), restricted to real tokens so that our own
+    padding, whatever id it holds, never counts. A real token equal to pad_token_id (a tokenizer
+    that pads with its end-of-sequence token, at the end of the sequence) is skipped as
+    transformers skips it, so scores agree after export. A row with no such token gives 0,
+    as there. One sequence per row: a packed row is scored at its last segment only.
+    """
+    B, L = input_ids_BxL.shape
+    keep = jnp.ones((B, L), jnp.int32) if segment_ids_BxL is None else (segment_ids_BxL > 0).astype(jnp.int32)
+    if pad_token_id is not None:
+        keep = keep * (input_ids_BxL != pad_token_id).astype(jnp.int32)
+    return jnp.argmax(jnp.arange(L, dtype=jnp.int32)[None, :] * keep, axis=-1).astype(jnp.int32)
+
+
+class RewardModel(nnx.Module):
+    """A decoder with a scalar score head: r(x) = h_last . w, with h_last the final-normed
+    hidden state [D] at the row's scored token (`last_token_index`) and w a bias-free
+    [D, 1] projection.
+
+    This is the layout of transformers' *ForSequenceClassification with num_labels=1 (`model`
+    the decoder trunk, `score` the head), which `ptrain.models.hf.save_hf_reward_model`
+    writes and `load_hf_reward_model` reads. The head is composed around a plain Decoder,
+    so the policy paths (load_hf, save_hf, generation, sharding rules) stay as they are;
+    the parameters split as {"model": the decoder's, "score": [D, 1]}.
+
+    The decoder is taken over, not copied: its untied LM head [D, V] is deleted, as the
+    score never reads it (at a 150k vocabulary it would be the largest weight, with
+    gradients and optimizer state to match). A tied head is the embedding and stays.
+
+    pad_token_id: the id transformers will read from the exported config.json and pool
+    by; None scores the last real token of each row.
+    init_std: std of the head's normal initialisation; None: 1/sqrt(d_model), so the
+    initial scores are of order one whatever the width.
+    """
+
+    def __init__(
+        self, decoder: Decoder, *, rngs: nnx.Rngs, pad_token_id: int | None = None, init_std: float | None = None
+    ):
+        cfg = decoder.cfg
+        if hasattr(decoder, "lm_head"):
+            del decoder.lm_head
+        self.model = decoder
+        self.pad_token_id = pad_token_id
+        std = cfg.d_model**-0.5 if init_std is None else init_std
+        self.score = param(rngs, (cfg.d_model, 1), ("embed", None), std=std, dtype=as_dtype(cfg.param_dtype))
+
+    @property
+    def cfg(self) -> ModelConfig:
+        """The decoder's config (a copy)."""
+        return self.model.cfg
+
+    def __call__(
+        self,
+        input_ids_BxL: jax.Array,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        *,
+        return_aux: bool = False,
+    ):
+        """Scores float32 [B] of one sequence per row (right-padded: segment id 0 marks padding;
+        positions and segment_ids default as in Decoder.__call__), and ModelAux if return_aux."""
+        h_BxLxD, aux = self.model(input_ids_BxL, positions, segment_ids, return_aux=True, return_hidden=True)
+        idx_B = last_token_index(input_ids_BxL, segment_ids, self.pad_token_id)
+        h_BxD = h_BxLxD[jnp.arange(h_BxLxD.shape[0]), idx_B]
+        dt = as_dtype(self.cfg.dtype)
+        w_Dx1 = self.score[...].astype(dt)
+        scores_B = jnp.einsum("bd,do->b", h_BxD.astype(dt), w_Dx1, preferred_element_type=jnp.float32)
+        return (scores_B, aux) if return_aux else scores_B
 
 
 def pack_decode_weights(params: dict) -> dict:

@@ -18,6 +18,13 @@ Tensor layout: HF linear weights are [out, in]; ours are [in, ...out] with heads
 out ([D, H, Dh] for q/k/v, [H, Dh, D] for o), and routed experts stacked [E, D, F]. Each
 tensor maps by a transpose and a reshape, listed once in `tensor_map`.
 
+Reward models (`RewardModel`: a decoder with a scalar score head) are written as the
+family's *ForSequenceClassification with num_labels 1 (`save_hf_reward_model`): the
+decoder's tensors under `model.` without `lm_head.weight`, plus `score.weight` [1, D], and
+config.json's pad_token_id, by which transformers picks the scored token;
+`load_hf_reward_model` reads one back. load_hf refuses such a folder by name rather than
+reporting a missing LM head.
+
 Safety: only safetensors are read (memory-mapped, tensor by tensor); pickled weights are
 refused; config.json is parsed as JSON and `auto_map` / remote code is never executed.
 """
@@ -37,7 +44,7 @@ import numpy as np
 from flax import nnx
 
 from ptrain.config.model import ModelConfig
-from ptrain.models.decoder import Decoder, layer_groups, moe_layer_flags
+from ptrain.models.decoder import Decoder, RewardModel, layer_groups, moe_layer_flags
 from ptrain.models.layers import as_dtype
 from ptrain.models.safetensors_io import FLOAT_CODES, open_folder, write_sharded
 
@@ -432,9 +439,26 @@ def load_hf(
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"{path}: no config.json; pass a Hugging Face model folder")
-    cfg = config_from_hf(read_hf_config(path), dtype=dtype, param_dtype=param_dtype, **overrides)
+    hf = read_hf_config(path)
+    seq_cls = [a for a in hf.get("architectures") or [] if str(a).endswith("ForSequenceClassification")]
+    if seq_cls:
+        raise ValueError(
+            f"{path} holds a reward model ({seq_cls[0]}: a score head and no LM head), not a causal LM; "
+            "start a policy stage from the folder the reward-model stage started from (its init), or any "
+            "causal-LM folder"
+        )
+    cfg = config_from_hf(hf, dtype=dtype, param_dtype=param_dtype, **overrides)
+    return _read_folder(
+        path, cfg, tensor_map(cfg), lambda: Decoder(cfg, rngs=nnx.Rngs(0), mesh=mesh, rules=rules), mesh, rules
+    )
+
+
+def _read_folder(path: str, cfg: ModelConfig, mappings: list[TensorMapping], build, mesh, rules):
+    """The module `build()` makes (built abstractly, never initialised), its every variable
+    read from the folder's safetensors by `mappings`: checked against the files first
+    (missing, unexplained, wrong shape or dtype), then read whole, or per device shard
+    with a mesh."""
     files = open_folder(path)
-    mappings = tensor_map(cfg)
     expected = {m.hf_name for m in mappings}
     missing = [m for m in mappings if m.hf_name not in files]
     if missing:
@@ -446,7 +470,7 @@ def load_hf(
     for m in mappings:
         _check_tensor(m.hf_name, files, m)
 
-    abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0), mesh=mesh, rules=rules))
+    abstract = nnx.eval_shape(build)
     graphdef, state = nnx.split(abstract)
     flat = _flat_state(state)
     by_path: dict[tuple, list[TensorMapping]] = defaultdict(list)
@@ -499,7 +523,7 @@ def load_hf(
 
 
 def save_hf(
-    model: Decoder,
+    model: Decoder | RewardModel,
     path: str,
     tokenizer: Any = None,
     *,
@@ -510,19 +534,39 @@ def save_hf(
     if given, the tokenizer (anything with `save_pretrained`, e.g. a
     PreTrainedTokenizerFast; or a `tokenizers.Tokenizer`, saved as tokenizer.json).
 
-    dtype: stored weight dtype (default: the parameters' own, float32).
+    dtype: stored weight dtype (default: the parameters' own, float32). A RewardModel is
+    written as what it is, a sequence classifier (`save_hf_reward_model`), so that a stage's
+    export writes whichever model the stage trained.
     """
+    if isinstance(model, RewardModel):
+        save_hf_reward_model(model, path, tokenizer, dtype=dtype, max_shard_bytes=max_shard_bytes)
+        return
     cfg = model.cfg
+    _write_folder(path, config_to_hf(cfg), tensor_map(cfg), _flat_state(model), tokenizer, dtype, max_shard_bytes)
+
+
+def _write_folder(
+    path: str,
+    hf: dict,
+    mappings: list[TensorMapping],
+    flat: dict[tuple, Any],
+    tokenizer: Any,
+    dtype: str | None,
+    max_shard_bytes: int,
+    *,
+    pad_token_id: int | None = None,
+) -> None:
+    """The folder save_hf and save_hf_reward_model write: the `mappings` tensors read from
+    `flat` (our state by path), config.json with the tokenizer's special-token ids, the
+    tokenizer. pad_token_id, when given, wins over the tokenizer's."""
     os.makedirs(path, exist_ok=True)
-    hf = config_to_hf(cfg)
-    flat = _flat_state(model)
     store_dt = as_dtype(dtype) if dtype else None
     if store_dt is not None:
         hf["torch_dtype"] = dtype
 
     def tensors():
         host_cache: dict[tuple, np.ndarray] = {}
-        for m in tensor_map(cfg):
+        for m in mappings:
             if m.path not in host_cache:
                 host_cache.clear()  # keep one of our arrays on the host at a time
                 host_cache[m.path] = np.asarray(jax.device_get(flat[m.path][...]))
@@ -548,17 +592,121 @@ def save_hf(
             val = getattr(tokenizer, key, None)
             if isinstance(val, int):
                 hf[key] = val
+    if pad_token_id is not None:
+        hf["pad_token_id"] = pad_token_id
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf, f, indent=2, sort_keys=True)
 
 
+# --------------------------------------------------------------------------- reward models
+
+SEQUENCE_CLASSIFICATION = {
+    fam: arch.removesuffix("ForCausalLM") + "ForSequenceClassification"
+    for fam, arch in ARCHITECTURES.items()
+    if fam != "dots1"  # transformers has no Dots1ForSequenceClassification
+}
+"""HF model_type -> the transformers class a reward model of that family is written as."""
+
+
+def reward_config_to_hf(cfg: ModelConfig, pad_token_id: int | None) -> dict:
+    """config.json of a reward model: the family's, as a one-label sequence classifier.
+
+    transformers reads num_labels from id2label; pad_token_id is what it pools by (the
+    rightmost token that is not pad), so a batch of more than one row needs it set."""
+    fam = hf_family(cfg)
+    if fam not in SEQUENCE_CLASSIFICATION:
+        raise ValueError(
+            f"model.family={cfg.family!r} (HF model_type {fam}) has no sequence-classification class in "
+            f"transformers, so its reward model could not be loaded there; train the reward model on one of "
+            f"{sorted(SEQUENCE_CLASSIFICATION)}"
+        )
+    hf = config_to_hf(cfg)
+    hf.update(
+        architectures=[SEQUENCE_CLASSIFICATION[fam]],
+        num_labels=1,
+        id2label={"0": "LABEL_0"},
+        label2id={"LABEL_0": 0},
+        pad_token_id=pad_token_id,
+    )
+    return hf
+
+
+def reward_tensor_map(cfg: ModelConfig) -> list[TensorMapping]:
+    """The tensors of a reward-model folder: the decoder's under `model.` (our RewardModel's
+    `model` subtree) without the LM head, which a RewardModel does not hold, and
+    `score.weight` [1, D]."""
+    out = [dataclasses.replace(m, path=("model",) + m.path) for m in tensor_map(cfg) if m.hf_name != "lm_head.weight"]
+    out.append(TensorMapping("score.weight", ("score",), (), (1, cfg.d_model), True))
+    return out
+
+
+def save_hf_reward_model(
+    model: RewardModel,
+    path: str,
+    tokenizer: Any = None,
+    *,
+    dtype: str | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> None:
+    """Writes a `ptrain.models.RewardModel` as a Hugging Face sequence-classification folder
+    (e.g. Qwen3ForSequenceClassification, num_labels 1): config.json with the model's
+    pad_token_id, safetensors with model.* and score.weight (no lm_head), the tokenizer.
+    `transformers.AutoModelForSequenceClassification.from_pretrained(path)(ids).logits[:, 0]`
+    then equals the model's scores. dtype, max_shard_bytes: as in save_hf."""
+    cfg = model.cfg
+    hf = reward_config_to_hf(cfg, model.pad_token_id)
+    flat = _flat_state(model)
+    _write_folder(
+        path, hf, reward_tensor_map(cfg), flat, tokenizer, dtype, max_shard_bytes, pad_token_id=model.pad_token_id
+    )
+
+
+def load_hf_reward_model(
+    path: str,
+    dtype: str = "float32",
+    *,
+    param_dtype: str = "float32",
+    mesh: jax.sharding.Mesh | None = None,
+    rules: tuple | None = None,
+    **overrides: Any,
+) -> RewardModel:
+    """Loads a sequence-classification folder with one label (what save_hf_reward_model and
+    the rm stage write, or a transformers reward model of a supported family) into a
+    RewardModel that pools by its config's pad_token_id. Arguments as load_hf's."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"{path}: no config.json; pass a Hugging Face reward-model folder")
+    hf = read_hf_config(path)
+    archs = [str(a) for a in hf.get("architectures") or []]
+    if not any(a.endswith("ForSequenceClassification") for a in archs):
+        raise ValueError(
+            f"{path} holds {archs or 'no architectures'}, not a reward model (*ForSequenceClassification); "
+            "train one with a stage of kind rm, or load a policy with load_hf"
+        )
+    labels = hf.get("num_labels") or len(hf.get("id2label") or {}) or 2  # transformers' default is 2
+    if labels != 1:
+        raise ValueError(f"{path}: a reward model has one label (a scalar score); this classifier has {labels}")
+    cfg = config_from_hf(hf, dtype=dtype, param_dtype=param_dtype, **overrides)
+    pad = hf.get("pad_token_id")
+
+    def build() -> RewardModel:
+        decoder = Decoder(cfg, rngs=nnx.Rngs(0), mesh=mesh, rules=rules)
+        return RewardModel(decoder, rngs=nnx.Rngs(0), pad_token_id=pad if isinstance(pad, int) else None)
+
+    return _read_folder(path, cfg, reward_tensor_map(cfg), build, mesh, rules)
+
+
 __all__ = [
     "ARCHITECTURES",
+    "SEQUENCE_CLASSIFICATION",
     "TensorMapping",
     "config_from_hf",
     "config_to_hf",
     "hf_family",
     "load_hf",
+    "load_hf_reward_model",
+    "reward_config_to_hf",
+    "reward_tensor_map",
     "save_hf",
+    "save_hf_reward_model",
     "tensor_map",
 ]

@@ -40,7 +40,19 @@ def _eval() -> Callable[..., dict]:
     return run_eval_stage
 
 
-DRIVERS: dict[str, Callable[[], Callable[..., dict]]] = {"sft": _sft, "dpo": _dpo, "grpo": _grpo, "eval": _eval}
+def _rm() -> Callable[..., dict]:
+    from ptrain.stages.rm import run_rm_stage
+
+    return run_rm_stage
+
+
+DRIVERS: dict[str, Callable[[], Callable[..., dict]]] = {
+    "sft": _sft,
+    "dpo": _dpo,
+    "grpo": _grpo,
+    "eval": _eval,
+    "rm": _rm,
+}
 """Stage kind -> a function that imports and returns its driver."""
 
 

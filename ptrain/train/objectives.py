@@ -3,14 +3,21 @@
 Each objective follows `ptrain.train.step.Objective`: it returns this micro-batch's share
 of the full-batch loss (its own mean times its weight over the global denominator) and
 metrics that add up over micro-batches.
+
+The families: SFT (cross-entropy over a Decoder's logits), DPO (preference losses over a
+Decoder's sequence log-probs) and reward models (the Bradley-Terry loss over a
+RewardModel's scalar scores).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import jax
 import jax.numpy as jnp
 
-from ptrain.config.algo import DPOAlgoConfig, SFTAlgoConfig
+from ptrain.config.algo import DPOAlgoConfig, RMAlgoConfig, SFTAlgoConfig
 from ptrain.config.choices import REFERENCE_FREE_KINDS, SFT_AGGREGATIONS
 from ptrain.losses import preference_loss, sequence_logprobs, vocab_stats, vocab_stats_from_hidden
 from ptrain.losses.reduce import sequence_sums
@@ -193,3 +200,112 @@ def make_dpo_objective(model_def: ModelDef, cfg: DPOAlgoConfig, *, vocab_chunk: 
         return loss, metrics
 
     return objective
+
+
+# ---------------------------------------------------------------------------------- reward models
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BradleyTerryAux:
+    """Per-pair values, float32 `[B]` each (average them to log).
+
+    Attributes:
+      margin: r(chosen) - r(rejected).
+      accuracy: 1.0 where r(chosen) > r(rejected) (a tie counts as wrong).
+    """
+
+    margin: jax.Array
+    accuracy: jax.Array
+
+
+def bradley_terry_loss(
+    chosen_B: jax.Array, rejected_B: jax.Array, *, margin: float = 0.0, center_rewards_coef: float = 0.0
+) -> tuple[jax.Array, BradleyTerryAux]:
+    """Per-pair Bradley-Terry loss of scalar rewards, float32 `[B]`:
+
+        -log sigmoid(r_c - r_r - margin) + center_rewards_coef * (r_c + r_r)^2
+
+    The negative log-likelihood of "chosen beats rejected" under the Bradley-Terry model
+    (Bradley & Terry 1952), the reward-model loss of InstructGPT (Ouyang et al. 2022, arXiv
+    2203.02155); `margin` is Llama 2's margin term with one margin for every pair (Touvron
+    et al. 2023, arXiv 2307.09288); the centring penalty is Eisenstein et al. 2023 (arXiv
+    2312.09244), TRL's center_rewards_coefficient.
+
+    chosen_B, rejected_B: scores of the two sides, [B]. Returns (loss [B], BradleyTerryAux).
+    """
+    r_c, r_r = jnp.asarray(chosen_B, jnp.float32), jnp.asarray(rejected_B, jnp.float32)
+    if r_c.ndim != 1 or r_c.shape != r_r.shape:
+        raise ValueError(f"chosen and rejected scores must both be [B], got {r_c.shape} and {r_r.shape}")
+    diff = r_c - r_r
+    loss = -jax.nn.log_sigmoid(diff - margin)
+    if center_rewards_coef:
+        loss = loss + center_rewards_coef * jnp.square(r_c + r_r)
+    return loss, BradleyTerryAux(margin=diff, accuracy=(diff > 0).astype(jnp.float32))
+
+
+def full_sequences(batch: dict) -> dict:
+    """Both sides of a preference batch as whole sequences, stacked into [2B, L + 1] rows
+    (chosen first): input_ids and segment_ids.
+
+    A preference batch is in next-token form (input_ids = tokens[:-1], target_ids =
+    tokens[1:]); a reward model reads every token, the last one included (the token
+    transformers scores), so each row is its first input token followed by its targets.
+    """
+    out = {}
+    for key, rest in (("input_ids", "target_ids"), ("segment_ids", "segment_ids")):
+        out[key] = jnp.concatenate(
+            [jnp.concatenate([batch[f"{s}_{key}"][:, :1], batch[f"{s}_{rest}"]], axis=1) for s in SIDES], axis=0
+        )
+    return out
+
+
+def pair_scores(model_def: ModelDef, params, model_state, batch: dict, return_aux: bool = False):
+    """Scores float32 [B] of the chosen and rejected sides of a preference batch under a
+    RewardModel (one forward pass over both sides; with return_aux, also its ModelAux)."""
+    seqs = full_sequences(batch)
+    model = model_def.bind(params, model_state)
+    scores, model_aux = model(seqs["input_ids"], segment_ids=seqs["segment_ids"], return_aux=True)
+    b = batch["chosen_input_ids"].shape[0]
+    out = (scores[:b], scores[b:])
+    return out + (model_aux,) if return_aux else out
+
+
+def make_rm_objective(model_def: ModelDef, cfg: RMAlgoConfig, *, aux_loss_coef: float = 0.0):
+    """The Bradley-Terry loss of a RewardModel's scores, averaged over real pairs (+ the MoE
+    load-balancing loss of its forward, weighted by aux_loss_coef). The denominator is
+    `dpo_denominator` (real pairs). Metrics are means over the global batch; `reward_sq`
+    becomes reward_std in `finalize_rm_metrics`."""
+
+    def objective(params, state: TrainState, batch: dict, denom: jax.Array):
+        r_c, r_r, model_aux = pair_scores(model_def, params, state.model_state, batch, return_aux=True)
+        loss_b, aux = bradley_terry_loss(r_c, r_r, margin=cfg.margin, center_rewards_coef=cfg.center_rewards_coef)
+        valid = (batch["pair_index"] >= 0).astype(jnp.float32)
+        mean = lambda x: jnp.sum(x * valid) / denom
+        metrics = {
+            "accuracy": mean(aux.accuracy),
+            "margin": mean(aux.margin),
+            "rewards_chosen": mean(r_c),
+            "rewards_rejected": mean(r_r),
+            "reward_mean": mean((r_c + r_r) / 2),
+            "reward_sq": mean((jnp.square(r_c) + jnp.square(r_r)) / 2),
+        }
+        loss = mean(loss_b)
+        if model_aux.expert_load.size:
+            # As in DPO: summed over micro-batches, each weighing by its share of the pairs.
+            metrics["moe_lb_loss"] = model_aux.lb_loss
+            metrics["expert_load"] = model_aux.expert_load
+            loss = loss + aux_loss_coef * model_aux.lb_loss * (jnp.sum(valid) / denom)
+        return loss, metrics
+
+    return objective
+
+
+def finalize_rm_metrics(m: dict, grad_accum: int) -> dict:
+    """Host side: the reward model's summed metrics -> logged ones (reward_std over both sides
+    of every pair from the means of r and r^2; the MoE terms as finalize_metrics)."""
+    out = finalize_metrics({k: v for k, v in m.items() if k != "reward_sq"}, grad_accum)
+    if "reward_sq" in m:
+        mean = float(m["reward_mean"])
+        out["reward_std"] = math.sqrt(max(float(m["reward_sq"]) - mean * mean, 0.0))
+    return out
