@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ptrain.envs.mixture import EnvMixture
+from ptrain.envs.mixture import EnvMixture, env_task_seed
 
 
 def _row(env, task) -> dict[str, Any]:
@@ -36,7 +36,6 @@ def demonstration_rows(
     train = [_row(env, task) for env, task in mixture.next_tasks(n_train)]
     held = []
     for env in envs:
-        task_seed = getattr(env, "seed", None)
-        tasks = env.tasks("eval", seed=int(task_seed if task_seed is not None else seed))
+        tasks = env.tasks("eval", seed=env_task_seed(env, seed))
         held.extend(_row(env, task) for task in list(tasks)[:n_eval])
     return train, held

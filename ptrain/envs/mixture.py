@@ -27,6 +27,16 @@ def _name_key(name: str) -> int:
     return zlib.crc32(name.encode("utf-8"))
 
 
+def env_task_seed(env: Any, seed: int) -> int:
+    """The seed an environment's tasks are built with: its own (its config's seed), else one
+    derived from `seed` and its name. Every stage builds an environment's train and eval
+    tasks with it, so they come from one `make_tasks` call and stay disjoint."""
+    own = getattr(env, "seed", None)
+    if own is not None:
+        return int(own)
+    return int(np.random.SeedSequence([int(seed), _name_key(env.name)]).generate_state(1)[0] >> 1)
+
+
 class EnvMixture:
     """Draws (environment, task) pairs from `envs` with probabilities proportional to `weights`.
 
@@ -72,9 +82,7 @@ class EnvMixture:
         for env in envs:
             task_seed = (task_seeds or {}).get(env.name)
             if task_seed is None:
-                task_seed = getattr(env, "seed", None)
-            if task_seed is None:
-                task_seed = int(np.random.SeedSequence([self.seed, _name_key(env.name)]).generate_state(1)[0] >> 1)
+                task_seed = env_task_seed(env, self.seed)
             tasks = list(env.tasks(split, seed=int(task_seed)))
             if not tasks:
                 raise ValueError(f"environment {env.name!r} has no {split} tasks; raise its n_{split}")

@@ -20,6 +20,7 @@ from ptrain.config.choices import REFERENCE_FREE_KINDS
 from ptrain.data.preference import make_preference_iterator, make_preference_pass
 from ptrain.data.prompts import make_eval_prompts
 from ptrain.parallel import batch_sharding
+from ptrain.stages.env_pairs import env_pairs_data
 from ptrain.stages.heldout import ExactMatchEvaluator
 from ptrain.stages.loop import Algorithm, IteratorBatches, train_evaluate_export
 from ptrain.stages.policy_pairs import policy_pairs_data
@@ -118,7 +119,8 @@ def run_dpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict
             "set data: {format: preference} in the stage (rows need prompt, chosen and rejected)"
         )
     tokenizer = tokenizer_for(run, init_path)
-    data_cfg = stage_data(run, tokenizer)
+    # Environment pairs need no rows of data (source=envs writes chat demonstrations).
+    data_cfg = run.data if run.algo.dpo.env_pairs else stage_data(run, tokenizer)
     t, algo = run.train, run.algo.dpo
     needs_ref = algo.kind not in REFERENCE_FREE_KINDS
     in_step_ref = needs_ref and not algo.precompute_reference
@@ -132,6 +134,9 @@ def run_dpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict
     pref_eval_cfg = data_cfg  # whose eval split the held-out preference metrics read
     if algo.policy_pairs:
         data_cfg, held = policy_pairs_data(run, stage_dir, placed, init_params, init_mstate, data_cfg, tokenizer)
+        pref_eval_cfg = held or data_cfg
+    elif algo.env_pairs:
+        data_cfg, held = env_pairs_data(run, stage_dir, placed, init_params, init_mstate, data_cfg, tokenizer)
         pref_eval_cfg = held or data_cfg
 
     train_iter = make_preference_iterator(

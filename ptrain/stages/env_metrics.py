@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from ptrain.envs.base import Environment, Trajectory
+from ptrain.envs.mixture import env_task_seed
 from ptrain.rollout.protocol import SamplingParams
 
 
@@ -152,6 +153,8 @@ def evaluate_envs(
     """Greedy `<env>/<metric>` for every environment (pass@1, reward, lengths, tool use,
     tokens), with cfg.samples > 0 also `<env>/sampled/<metric>` over that many samples at
     cfg.temperature (reward, accuracy = avg@k, pass@k), and the means over environments.
+    `seed`: the stage's train.seed (the environments' tasks are built as the RL stages build
+    them: ptrain/envs/mixture.py env_task_seed) and the base of the sampling seeds.
     `cfg` is an algo.eval config; `audit` an AuditLog for every episode (record "eval").
     strict: ValueError when every episode of an environment failed (the engine refused every
     prompt, its server is unreachable): its numbers would be zeros that measure nothing."""
@@ -164,7 +167,7 @@ def evaluate_envs(
         runs.append((f"budget_{int(budget)}/", greedy, (1,), int(budget)))
     out: dict[str, float] = {}
     for name, env in envs.items():
-        tasks = list(env.tasks("eval", seed=seed))
+        tasks = list(env.tasks("eval", seed=env_task_seed(env, seed)))
         tasks = tasks[: cfg.limit] if cfg.limit else tasks
         if not tasks:
             continue
@@ -203,14 +206,15 @@ def env_evaluator(run, envs: Mapping[str, Environment], engine, *, sync_weights:
     first bring the engine to the state's weights (off where the stage keeps the engine
     current itself, as RL stages do after every step)."""
 
-    import dataclasses
+    from ptrain.config.seeds import component_seed
 
     cfg = run.algo.eval
     cfg = dataclasses.replace(cfg, limit=cfg.limit or run.train.eval_generate or None)
+    seed = component_seed(run, "train.seed")
 
     def evaluate(state) -> dict[str, float]:
         if sync_weights:
             engine.update_weights(state.params, state.model_state or None, mode="abort")
-        return evaluate_envs(envs, engine, cfg)
+        return evaluate_envs(envs, engine, cfg, seed=seed)
 
     return evaluate

@@ -70,7 +70,7 @@ def run_eval_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
         # A fleet gets these weights now (the local engine has them already).
         if run.rollout.kind != "local":
             engine.update_weights(params, model_state or None, weight_version="eval", mode="abort")
-        metrics = evaluate_envs(envs, engine, cfg, audit=audit, strict=True)
+        metrics = evaluate_envs(envs, engine, cfg, seed=component_seed(run, "train.seed"), audit=audit, strict=True)
         logger.log(0, metrics, prefix="eval")
     except EngineUnavailable as e:
         # Nothing to checkpoint: the stage is not marked done, so a re-launch evaluates afresh.

@@ -1,0 +1,216 @@
+"""On-policy preference pairs from environments, in Nemotron 3 Nano's three categories.
+
+Nano's DPO stage (arXiv 2512.20848 App. C) samples its policy on math and STEM tasks, with
+and without tools declared, and pairs the samples so that DPO removes tool hallucination
+without losing accuracy:
+
+  no_tools        a task of an environment that declares no tools: correctness decides
+  with_tools      a task of a tool environment (multi-turn): correctness decides
+  hallucination   a task of an environment that declares no tools, whose sample calls a
+                  tool anyway: that sample is rejected whatever it answered
+
+For each of the first `algo.dpo.env_pairs` tasks drawn from the stage's environments (by
+weight, as an RL stage draws them) the policy samples `policy_samples` episodes through the
+environment's own rollout, which grades them. Good samples (correct, finished, no tool call
+where none is declared) are zipped with bad ones into (chosen, rejected) pairs; a task the
+policy never gets right pairs the environment's demonstration with a bad sample when the
+environment can write one. Held-out pairs come the same way from the first
+`policy_eval_pairs` held-out tasks of each environment.
+
+Pairs are written once into the stage folder (`env_pairs.jsonl`, `env_pairs_eval.jsonl`,
+counts and settings in `env_pairs.json`) as preference JSONL in chat form; a resumed stage
+reads them back. A multi-turn episode's turns become messages: the policy's as assistant
+turns, tool results as tool turns, the environment's as user turns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import time
+from typing import Any
+
+from ptrain.config import RunConfig
+from ptrain.data.tasks import write_jsonl
+from ptrain.stages.env_metrics import calls_a_tool, declares_tools, is_correct
+
+PAIRS_FILE = "env_pairs.jsonl"
+EVAL_PAIRS_FILE = "env_pairs_eval.jsonl"
+META_FILE = "env_pairs.json"
+CATEGORIES = ("no_tools", "with_tools", "hallucination")
+
+_ROLE = {"policy": "assistant", "tool": "tool", "env": "user"}
+
+
+def episode_messages(trajectory) -> list[dict[str, Any]]:
+    """The turns after the prompt as chat messages."""
+    return [{"role": _ROLE[t.role], "content": t.text} for t in trajectory.turns]
+
+
+def good_sample(t, *, tool_free: bool) -> bool:
+    return (
+        t.error is None
+        and t.finish_reason not in ("length", "token_limit", "error", "abort")
+        and is_correct(t)
+        and not (tool_free and calls_a_tool(t))
+    )
+
+
+def task_pairs(env, task, samples, *, tool_free: bool) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """Pairs of one task's graded samples, and per-category counts (module docstring)."""
+    good = [t for t in samples if good_sample(t, tool_free=tool_free)]
+    bad = [t for t in samples if not good_sample(t, tool_free=tool_free) and any(m["content"].strip()
+           for m in episode_messages(t))]  # fmt: skip
+    counts = dict.fromkeys((*CATEGORIES, "with_demonstration"), 0)
+    if not bad:
+        return [], counts
+    chosen = [episode_messages(t) for t in good]
+    if not chosen:
+        demo = getattr(env, "demonstration", None)
+        if demo is None:
+            return [], counts
+        chosen = [list(demo(task))]
+        counts["with_demonstration"] += 1
+    pairs = []
+    for c, r in zip(chosen, bad):
+        category = "hallucination" if tool_free and calls_a_tool(r) else "no_tools" if tool_free else "with_tools"
+        counts[category] += 1
+        pairs.append(
+            {
+                "prompt": [dict(m) for m in task.messages],
+                "chosen": c,
+                "rejected": episode_messages(r),
+                "env": env.name,
+                "task": task.id,
+                "category": category,
+            }
+        )
+    return pairs, counts
+
+
+def _settings(run: RunConfig) -> dict[str, Any]:
+    d = run.algo.dpo
+    return {
+        "tasks": d.env_pairs,
+        "samples": d.policy_samples,
+        "temperature": d.policy_temperature,
+        "max_new_tokens": d.policy_max_new_tokens,
+        "eval_tasks": d.policy_eval_pairs,
+        "envs": sorted(run.stage.envs or run.envs),
+        "seed": run.train.seed,
+    }
+
+
+async def _sample(envs_tasks, engine, sampling, seed: int):
+    coros = [
+        env.rollout(task, engine, dataclasses.replace(sampling, sampling_seed=seed + i))
+        for i, (env, task) in enumerate(envs_tasks)
+    ]
+    return await asyncio.gather(*coros)
+
+
+def sample_pairs(envs_tasks, engine, sampling, seed: int) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """Pairs (and counts) of (environment, task) pairs sampled through the environments."""
+    results = asyncio.run(_sample(envs_tasks, engine, sampling, seed))
+    pairs: list[dict[str, Any]] = []
+    counts: dict[str, float] = dict.fromkeys(("tasks", "samples", "correct", "tool_calls_undeclared"), 0)
+    counts.update(dict.fromkeys((*CATEGORIES, "with_demonstration"), 0))
+    free_samples = 0
+    for (env, task), samples in zip(envs_tasks, results):
+        tool_free = not declares_tools(env)
+        got, c = task_pairs(env, task, samples, tool_free=tool_free)
+        pairs.extend(got)
+        for k, v in c.items():
+            counts[k] += v
+        counts["tasks"] += 1
+        counts["samples"] += len(samples)
+        counts["correct"] += sum(map(is_correct, samples))
+        if tool_free:
+            free_samples += len(samples)
+            counts["tool_calls_undeclared"] += sum(map(calls_a_tool, samples))
+    counts["pairs"] = len(pairs)
+    counts["sample_accuracy"] = counts["correct"] / max(counts["samples"], 1)
+    counts["hallucination_rate"] = counts["tool_calls_undeclared"] / max(free_samples, 1)
+    return pairs, counts
+
+
+def env_pairs_data(run: RunConfig, stage_dir: str, placed, params, model_state, data_cfg, tokenizer):
+    """(training data config, held-out data config or None) pointing at the stage's
+    environment pairs; sampled now with the starting weights, or read back on resume."""
+    from ptrain.config.seeds import component_seed
+    from ptrain.envs.mixture import EnvMixture, env_task_seed
+    from ptrain.envs.registry import close_envs, make_env
+    from ptrain.rollout.protocol import SamplingParams
+    from ptrain.stages.heldout import eval_engine
+
+    settings = _settings(run)
+    path, eval_path, meta_path = (os.path.join(stage_dir, f) for f in (PAIRS_FILE, EVAL_PAIRS_FILE, META_FILE))
+    n_eval = settings["eval_tasks"]
+
+    def configs():
+        train = dataclasses.replace(data_cfg, source="jsonl", format="preference", train_path=path, eval_path=None)
+        held = dataclasses.replace(train, eval_path=eval_path) if n_eval else None
+        return train, held
+
+    if os.path.isfile(path) and os.path.isfile(meta_path) and (not n_eval or os.path.isfile(eval_path)):
+        with open(meta_path) as f:
+            meta = json.load(f)
+        if meta.get("settings") != settings:
+            raise ValueError(
+                f"{meta_path} holds pairs sampled with {meta.get('settings')}, but this run asks for {settings}; "
+                f"use a new run_dir, or delete {path} and {meta_path} to sample again"
+            )
+        print(f"ptrain: reusing {meta['counts']['pairs']} environment pairs from {path}", flush=True)
+        return configs()
+
+    t0 = time.time()
+    configs_ = [run.envs[n] for n in settings["envs"]]
+    envs = {e.env_name: make_env(e, tokenizer=tokenizer, sandbox=run.sandbox) for e in configs_}
+    seed = component_seed(run, "train.seed")
+    state = placed.state.replace(params=params, model_state=model_state)
+    max_len = placed.model_def.bind(params, model_state).cfg.max_seq_len
+    engine = eval_engine(run, placed, state, longest_prompt=max_len, max_new_tokens=0)
+    sampling = SamplingParams(max_new_tokens=settings["max_new_tokens"], temperature=settings["temperature"],
+                              n=settings["samples"])  # fmt: skip
+    try:
+        mixture = EnvMixture(list(envs.values()), [e.weight for e in configs_], seed=seed)
+        pairs, counts = sample_pairs(mixture.next_tasks(settings["tasks"]), engine, sampling, seed)
+        meta: dict[str, Any] = {"settings": settings, "counts": counts}
+        if n_eval:
+            held = [
+                (env, t)
+                for env in envs.values()
+                for t in list(env.tasks("eval", seed=env_task_seed(env, seed)))[:n_eval]
+            ]
+            held_pairs, meta["eval_counts"] = sample_pairs(held, engine, sampling, seed + 1_000_003)
+    finally:
+        engine.close()
+        close_envs(envs)
+    if not pairs:
+        raise ValueError(
+            f"the starting policy left nothing to prefer on {counts['tasks']} tasks (every sample good, or no good "
+            "sample and no demonstration): raise algo.dpo.policy_temperature or algo.dpo.env_pairs"
+        )
+    if n_eval and not held_pairs:
+        raise ValueError(
+            "no held-out pairs: the starting policy left nothing to prefer on the held-out tasks; set "
+            "algo.dpo.policy_eval_pairs=0 to train without held-out preference metrics"
+        )
+    write_jsonl(pairs, path)
+    if n_eval:
+        write_jsonl(held_pairs, eval_path)
+    counts["seconds"] = round(time.time() - t0, 1)
+    tmp = f"{meta_path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(meta, f, indent=2)
+    os.replace(tmp, meta_path)
+    cats = ", ".join(f"{counts[c]:.0f} {c}" for c in CATEGORIES)
+    print(
+        f"ptrain: sampled {settings['samples']} episodes of each of {counts['tasks']:.0f} tasks in {counts['seconds']} s: "
+        f"sample accuracy {counts['sample_accuracy']:.3f}, undeclared tool calls {counts['hallucination_rate']:.3f}; "
+        f"{counts['pairs']} pairs ({cats}; {counts['with_demonstration']:.0f} with a demonstration) -> {path}",
+        flush=True,
+    )
+    return configs()
