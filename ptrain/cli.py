@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 
 from ptrain.config import ConfigError, register_configs, to_run_config
 from ptrain.config.recipes import check_recipe, recipes_named
-from ptrain.config.run import check_list_overrides, shadowed_overrides
+from ptrain.config.run import BASE_SCALE, check_list_overrides, shadowed_overrides
 from ptrain.runtime import tune_xla_cpu
 
 log = logging.getLogger("ptrain")
@@ -95,6 +95,34 @@ def _hydra_main(cfg: DictConfig) -> Any:
     return _run(cfg)
 
 
+def _print_scaled_job(argv: list[str]) -> bool:
+    """`--cfg job` with `scale=NAME`: Hydra prints its composition before the recipe's scale
+    is merged (ptrain/config/run.py apply_scale), so print the merged config instead. Values
+    a launch must give stay `???`; nothing is validated, as with Hydra's own print."""
+    flags = [i for i, a in enumerate(argv) if a in ("--cfg", "-c")]
+    if not flags or argv[flags[0] + 1 : flags[0] + 2] != ["job"]:
+        return False
+    overrides = [a for i, a in enumerate(argv) if not a.startswith("-") and i - 1 not in flags]
+    scale = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == "scale"), BASE_SCALE)
+    if scale == BASE_SCALE:
+        return False
+    from hydra import compose, initialize_config_module
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from ptrain.config.run import RunConfig, apply_scale
+
+    try:
+        with initialize_config_module(config_module="ptrain.conf", version_base="1.3"):
+            cfg = compose(config_name="config", overrides=overrides)
+        merged = apply_scale(OmegaConf.merge(OmegaConf.structured(RunConfig), cfg), overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(str(e).strip().splitlines()[0]) from None
+    print(OmegaConf.to_yaml(merged), end="")
+    return True
+
+
 def main() -> None:
     # Hydra refuses a list-typed key given without brackets before _run sees it, with a
     # message that shows neither the type nor the form to pass: say both first.
@@ -102,6 +130,8 @@ def main() -> None:
         check_list_overrides(sys.argv[1:])
         for name in recipes_named(sys.argv[1:]):
             check_recipe(name)  # Hydra's own message is its whole search path
+        if _print_scaled_job(sys.argv[1:]):
+            return
     except ConfigError as e:
         _fail("config error", e, 2)
     _hydra_main()

@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import yaml
 
 TINY = [
     "recipe=sft_arithmetic",
@@ -283,3 +284,17 @@ def test_dpo_on_policy_pairs_samples_grades_and_trains(tmp_path):
     assert len(rows) == meta["counts"]["pairs"] >= 1
     assert all(r["chosen"][0]["content"] != r["rejected"][0]["content"] and "answer" in r["task"] for r in rows)
     assert json.loads((stage / "DONE.json").read_text())["steps"] == 2
+
+
+def test_cfg_job_prints_a_scale_merged_and_a_published_launch_names_what_to_pass():
+    out = cli("recipe=nemotron_like", "scale=published", "algo.grpo.group_size=8", "--cfg", "job")
+    cfg = yaml.safe_load(out.stdout)
+    assert cfg["algo"]["grpo"]["prompts_per_step"] == 128 and cfg["algo"]["grpo"]["group_size"] == 8
+    assert cfg["model"]["hf_path"] == "???" and cfg["envs"]["math"]["kind"] == "nemo_gym"
+    assert cfg["scales"] == {"published": {}}
+    smoke = yaml.safe_load(cli("recipe=nemotron_like", "scale=smoke", "--cfg", "job").stdout)
+    assert smoke["model"]["n_layers"] == 2
+    start = time.time()
+    launch = cli("recipe=nemotron_like", "scale=published", check=False)
+    assert launch.returncode == 2 and time.time() - start < 60
+    assert "model.hf_path=..." in launch.stderr and "+envs.math.options.url=..." in launch.stderr
