@@ -18,6 +18,14 @@ from typing import Any
 from ptrain.envs.mixture import EnvMixture, env_task_seed
 
 
+def prompt_messages(env, task) -> list[dict[str, Any]]:
+    """The task's messages as the environment renders its prompt: a tool environment whose
+    chat template ignores `tools=` declares its tools in the system message
+    (`ChatFormat.with_tools`), and the SFT rows must show the model the same prompt."""
+    fmt = getattr(env, "format", None)
+    return list(fmt.with_tools(task.messages)) if fmt is not None else [dict(m) for m in task.messages]
+
+
 def _row(env, task) -> dict[str, Any]:
     demo = getattr(env, "demonstration", None)
     if demo is None:
@@ -25,7 +33,7 @@ def _row(env, task) -> dict[str, Any]:
             f"environment {env.name!r} cannot write demonstrations, so data.source=envs has no rows for it; "
             "leave it out with data.envs.envs=[names...], or use another data.source"
         )
-    return {"messages": [dict(m) for m in task.messages] + list(demo(task)), "env": env.name, "task": task.id}
+    return {"messages": prompt_messages(env, task) + list(demo(task)), "env": env.name, "task": task.id}
 
 
 def demonstration_rows(

@@ -34,6 +34,7 @@ from typing import Any
 
 from ptrain.config import RunConfig
 from ptrain.data.tasks import write_jsonl
+from ptrain.envs.demonstrations import prompt_messages
 from ptrain.stages.env_metrics import calls_a_tool, declares_tools, is_correct
 
 PAIRS_FILE = "env_pairs.jsonl"
@@ -79,7 +80,7 @@ def task_pairs(env, task, samples, *, tool_free: bool) -> tuple[list[dict[str, A
         counts[category] += 1
         pairs.append(
             {
-                "prompt": [dict(m) for m in task.messages],
+                "prompt": prompt_messages(env, task),
                 "chosen": c,
                 "rejected": episode_messages(r),
                 "env": env.name,
