@@ -2,10 +2,17 @@
 Jax-free: the CLI validates these before importing jax. The rollout engine's config is
 rollout.py, the price table cost.py.
 
-Every field is documented where declared. The loss options are PolicyLossConfig's
-(ptrain/config/policy_loss.py), which `algo.grpo` extends and `ptrain.losses.policy_loss`
-takes whole (formulas and papers there); the named algorithms are presets of these fields
-(recipes/ and the table below):
+Every field is documented where declared. Three option groups are classes of their own, which
+`algo.grpo` extends (the keys stay flat: `algo.grpo.clip_low`, `algo.grpo.temperature`, ...) and
+which their users take whole, each checking itself once:
+
+  PolicyLossConfig  ptrain/config/policy_loss.py  the loss: ptrain.losses.policy_loss(..., cfg=)
+  SamplingConfig    ptrain/config/sampling.py     the rollouts' sampling: cfg.sampling_params()
+  AdvantageConfig   ptrain/config/advantages.py   ptrain.losses.group_advantages(..., cfg=)
+
+The rest (batch shape, updates, DAPO's data shaping, curriculum, asynchrony) is the stage's own
+and checked here, with the checks that span groups (overlong_buffer < max_new_tokens). The named
+algorithms are presets of these fields (recipes/ and the table below):
 
   GRPO      baseline mean, normalize_std, aggregation seq_mean_token_mean, kl_coef 0.04
   Dr. GRPO  baseline mean, normalize_std false, aggregation seq_mean_token_sum_norm, kl_coef 0
@@ -14,39 +21,38 @@ takes whole (formulas and papers there); the named algorithms are presets of the
   GSPO      ratio_level sequence, clip_low 3e-4, clip_high 4e-4, aggregation seq_mean_token_mean
   CISPO     objective cispo, clip_low 1 (no lower bound), clip_high 4
   RLOO      baseline leave_one_out (normalize_std true or false)
+
+Key order. A dataclass lists inherited fields base-most first, and the resolved config (`--cfg
+job`, the pinned copies under tests/golden/recipes) lists algo.grpo's keys in the order of the
+sections below: loss, rollout batch, sampling, updates, advantages, the rest. The two private
+layers (_LossAndBatch, _SamplingAndUpdates) stack the groups in that order; they hold no logic.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
-from ptrain.config.choices import ADVANTAGE_BASELINES, GRPO_MODES
+from ptrain.config.advantages import AdvantageConfig
+from ptrain.config.choices import GRPO_MODES
 from ptrain.config.policy_loss import PolicyLossConfig
+from ptrain.config.sampling import SamplingConfig
 
 
 @dataclass
-class GRPOAlgoConfig(PolicyLossConfig):
-    """An RL stage's options: the policy loss's (inherited: objective, clip_low, ... kl_coef,
-    is_correction, ...) and the rollouts, updates, advantages, data shaping, curriculum and
-    asynchrony around it."""
+class _LossAndBatch(PolicyLossConfig):
+    """Key order only (module docstring): the loss's fields, then the rollout batch's shape."""
 
     # --- rollouts ---
     prompts_per_step: int = 8
     """Tasks (prompts) per optimizer step's rollout batch (> 0)."""
     group_size: int = 8
     """Samples per prompt, G (>= 2: the group baseline needs two)."""
-    temperature: float = 1.0
-    """Sampling temperature (> 0); the trainer's log-probs use the same one."""
-    top_p: float = 1.0
-    """Nucleus sampling mass in (0, 1]. Anything below 1 makes the sampling distribution differ
-    from the tempered softmax the loss uses; the engine's full-vocabulary log-probs keep the
-    importance ratio right, but recipes leave it at 1."""
-    top_k: int = 0
-    """Top-k sampling (0: off)."""
-    max_new_tokens: int = 96
-    """Longest response per turn, in tokens (> 0, and below train.seq_len, which holds prompt
-    and response: the default leaves 32 prompt tokens within the default seq_len of 128)."""
+
+
+@dataclass
+class _SamplingAndUpdates(SamplingConfig, _LossAndBatch):
+    """Key order only (module docstring): then the sampling's fields (SamplingConfig), then the
+    updates."""
 
     # --- updates ---
     epochs: int = 1
@@ -56,14 +62,14 @@ class GRPOAlgoConfig(PolicyLossConfig):
     """Optimizer steps per epoch: the rollout batch is split into this many parts (>= 1;
     must divide prompts_per_step * group_size). train.steps counts rollout batches."""
 
-    # --- advantages ---
-    baseline: str = "mean"
-    """Group baseline: mean (GRPO) | leave_one_out (RLOO)."""
-    normalize_std: bool = True
-    """Divide advantages by the group's reward std (GRPO; off in Dr. GRPO)."""
-    invalid_tool_call_advantage: float | None = None
-    """If set, trajectories with an invalid tool call get this advantage instead of the
-    group-relative one (Nemotron 3 uses -5)."""
+
+@dataclass
+class GRPOAlgoConfig(AdvantageConfig, _SamplingAndUpdates):
+    """An RL stage's options: the policy loss's (PolicyLossConfig: objective, clip_low, ...
+    kl_coef, is_correction, ...), the rollout batch's shape (prompts_per_step, group_size), the
+    sampling's (SamplingConfig: temperature, top_p, top_k, max_new_tokens), the updates' (epochs,
+    mini_batches), the advantages' (AdvantageConfig: baseline, normalize_std,
+    invalid_tool_call_advantage), and the data shaping, curriculum and asynchrony around them."""
 
     # --- loss: every field of PolicyLossConfig (ptrain/config/policy_loss.py), inherited ---
     is_correction: str | None = "tis"
@@ -159,23 +165,27 @@ def validate_eval(cfg: EvalAlgoConfig, check) -> None:
 
 
 def validate_grpo(cfg: GRPOAlgoConfig, check) -> None:
-    """Reject impossible values; `check(cond, key, message)` raises naming the key."""
+    """Reject impossible values; `check(cond, key, message)` raises naming the key. The option
+    groups check themselves (sampling_problems, advantage_problems, problems); this reports
+    their problems under algo.grpo.<field> and checks the stage's own fields."""
     c = check
+
+    def report(problems: list[tuple[str, str]]) -> None:
+        for key, text in problems:
+            c(False, f"algo.grpo.{key}", text)
+
     c(cfg.prompts_per_step > 0, "algo.grpo.prompts_per_step", f"must be > 0, got {cfg.prompts_per_step}")
     c(cfg.group_size >= 2, "algo.grpo.group_size", f"must be >= 2 (the group baseline needs two), got {cfg.group_size}")
-    c(cfg.temperature > 0, "algo.grpo.temperature", f"must be > 0, got {cfg.temperature}")
-    c(0 < cfg.top_p <= 1, "algo.grpo.top_p", f"must be in (0, 1], got {cfg.top_p}")
-    c(cfg.top_k >= 0, "algo.grpo.top_k", f"must be >= 0 (0: off), got {cfg.top_k}")
-    c(cfg.max_new_tokens > 0, "algo.grpo.max_new_tokens", f"must be > 0, got {cfg.max_new_tokens}")
+    report(cfg.sampling_problems())  # SamplingConfig
     c(cfg.epochs >= 1, "algo.grpo.epochs", f"must be >= 1, got {cfg.epochs}")
     c(cfg.mini_batches >= 1, "algo.grpo.mini_batches", f"must be >= 1, got {cfg.mini_batches}")
     rows = cfg.prompts_per_step * cfg.group_size
     c(rows % cfg.mini_batches == 0, "algo.grpo.mini_batches",
       f"{cfg.mini_batches} does not divide the {rows} samples of a step (prompts_per_step x group_size)")  # fmt: skip
-    for key, value, allowed in (("baseline", cfg.baseline, ADVANTAGE_BASELINES), ("mode", cfg.mode, GRPO_MODES)):
-        c(value in allowed, f"algo.grpo.{key}", f"unknown value {value!r}; pass one of {', '.join(map(str, allowed))}")
-    for key, text in cfg.problems():  # the policy loss's own checks (PolicyLossConfig)
-        c(False, f"algo.grpo.{key}", text)
+    report(cfg.advantage_problems())  # AdvantageConfig
+    c(cfg.mode in GRPO_MODES, "algo.grpo.mode",
+      f"unknown value {cfg.mode!r}; pass one of {', '.join(map(str, GRPO_MODES))}")  # fmt: skip
+    report(cfg.problems())  # the policy loss's own checks (PolicyLossConfig)
     c(cfg.max_sampling_rounds >= 1, "algo.grpo.max_sampling_rounds", f"must be >= 1, got {cfg.max_sampling_rounds}")
     c(0 <= cfg.overlong_buffer < cfg.max_new_tokens, "algo.grpo.overlong_buffer",
       f"must be in [0, max_new_tokens={cfg.max_new_tokens}), got {cfg.overlong_buffer}")  # fmt: skip
@@ -193,7 +203,3 @@ def validate_grpo(cfg: GRPOAlgoConfig, check) -> None:
       f"only applies to mode=async (how many weight versions a sample may lag), but mode is {cfg.mode!r}, "
       f"where every sample is on-policy; drop algo.grpo.max_staleness={cfg.max_staleness}, or pass "
       "algo.grpo.mode=async")  # fmt: skip
-    # inf passes the bounds above but makes the sampling uniform or the loss inf/nan
-    for key in ("temperature", "invalid_tool_call_advantage"):
-        value = getattr(cfg, key)
-        c(value is None or math.isfinite(value), f"algo.grpo.{key}", f"must be a finite number, got {value}")

@@ -9,7 +9,8 @@ of the policy, the reference and the rollout engine are inputs.
   sft          sft_loss, sft_token_losses, and *_from_stats variants (e.g. on vocab_stats_from_hidden)
   preference   preference_loss (sigmoid, robust, ipo, hinge, dpo_norm, simpo, orpo, rpo)
   policy       policy_loss (GRPO / Dr. GRPO / DAPO / GSPO / CISPO options), kl_penalty
-  advantages   group_advantages (mean or leave-one-out baseline, optional std normalisation)
+  advantages   group_advantages (mean or leave-one-out baseline, optional std normalisation, the
+               invalid-tool-call override; options as one AdvantageConfig, `cfg=`)
 """
 
 from ptrain.losses.advantages import AdvantageAux, group_advantages

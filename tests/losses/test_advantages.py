@@ -1,9 +1,10 @@
-"""Group advantages: hand-derived values, zero-std groups, errors."""
+"""Group advantages: hand-derived values, zero-std groups, the invalid-tool-call override, errors."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ptrain.config import AdvantageConfig
 from ptrain.losses import group_advantages
 
 
@@ -24,11 +25,11 @@ def test_dr_grpo_no_std_and_leave_one_out_hand_values():
     (= 3/2 (r - 1/3)).
     """
     r = jnp.array([[1.0, 0.0, 0.0]])
-    adv, _ = group_advantages(r, normalize_std=False)
+    adv, _ = group_advantages(r, cfg=AdvantageConfig(normalize_std=False))
     np.testing.assert_allclose(adv, [[2 / 3, -1 / 3, -1 / 3]], rtol=1e-6)
-    loo, _ = group_advantages(r, baseline="leave_one_out", normalize_std=False)
+    loo, _ = group_advantages(r, cfg=AdvantageConfig(baseline="leave_one_out", normalize_std=False))
     np.testing.assert_allclose(loo, [[1.0, -0.5, -0.5]], rtol=1e-6)
-    loo_std, _ = group_advantages(r, baseline="leave_one_out", eps=0.0)
+    loo_std, _ = group_advantages(r, cfg=AdvantageConfig(baseline="leave_one_out"), eps=0.0)
     np.testing.assert_allclose(loo_std, np.array([[1.0, -0.5, -0.5]]) / np.sqrt(1 / 3), rtol=1e-6)
 
 
@@ -37,7 +38,7 @@ def test_all_equal_groups_get_exact_zero_and_are_counted():
     that noise divided by eps would be a spurious advantage; equal groups must give exactly 0."""
     r = jnp.array([[0.3, 0.3, 0.3], [1.0, 1.0, 1.0], [0.0, 1.0, 0.25], [0.7, 0.7, 0.7]])
     for kw in (dict(), dict(baseline="leave_one_out"), dict(normalize_std=False)):
-        adv, aux = group_advantages(r, **kw)
+        adv, aux = group_advantages(r, cfg=AdvantageConfig(**kw))
         assert np.all(np.asarray(adv)[[0, 1, 3]] == 0.0)
         assert np.all(np.asarray(adv)[2] != 0.0)
         np.testing.assert_allclose(aux.frac_zero_std, 0.75)
@@ -46,7 +47,7 @@ def test_all_equal_groups_get_exact_zero_and_are_counted():
 def test_advantages_sum_to_zero_per_group():
     r = jnp.array([[0.1, 2.0, -1.0, 0.5, 3.0], [1.0, 0.0, 0.0, 0.0, 0.0]])
     for kw in (dict(), dict(baseline="leave_one_out")):
-        adv, _ = group_advantages(r, **kw)
+        adv, _ = group_advantages(r, cfg=AdvantageConfig(**kw))
         np.testing.assert_allclose(np.asarray(adv).sum(1), 0.0, atol=1e-6)
 
 
@@ -54,8 +55,34 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="reshape"):
         group_advantages(jnp.zeros(8))
     with pytest.raises(ValueError, match="baseline must be one of"):
-        group_advantages(jnp.zeros((2, 4)), baseline="median")
+        group_advantages(jnp.zeros((2, 4)), cfg=AdvantageConfig(baseline="median"))
     with pytest.raises(ValueError, match="at least 2 samples"):
         group_advantages(jnp.zeros((2, 1)))
     with pytest.raises(ValueError, match="ddof"):
         group_advantages(jnp.zeros((2, 4)), ddof=2)
+
+
+def test_invalid_tool_call_samples_get_the_configured_advantage():
+    """Nemotron 3's override: flagged samples get the configured advantage, the others keep the
+    group-relative one (the group statistics still come from every reward); unset, the flags
+    change nothing."""
+    r = jnp.array([[1.0, 0.0, 1.0, 0.0], [0.5, 0.5, 0.5, 0.5]])
+    invalid = jnp.array([[False, True, False, False], [True, False, False, False]])
+    plain, plain_aux = group_advantages(r, eps=0.0)
+    adv, aux = group_advantages(r, cfg=AdvantageConfig(invalid_tool_call_advantage=-5.0), invalid_BxG=invalid, eps=0.0)
+    np.testing.assert_allclose(adv, np.where(invalid, -5.0, plain), rtol=1e-6)
+    np.testing.assert_allclose([aux.reward_std, aux.frac_zero_std], [plain_aux.reward_std, 0.5], rtol=1e-6)
+    np.testing.assert_allclose(aux.advantage_abs_mean, np.abs(np.asarray(adv)).mean(), rtol=1e-6)
+    unset, _ = group_advantages(r, invalid_BxG=invalid, eps=0.0)
+    np.testing.assert_array_equal(unset, plain)
+    with pytest.raises(ValueError, match="invalid_BxG"):
+        group_advantages(r, cfg=AdvantageConfig(invalid_tool_call_advantage=-5.0), invalid_BxG=invalid[:, :2])
+
+
+def test_bad_options_raise_the_config_checks_message():
+    """The function checks its group with AdvantageConfig.advantage_problems, as the config does."""
+    cfg = AdvantageConfig(baseline="median", invalid_tool_call_advantage=float("nan"))
+    assert [f for f, _ in cfg.advantage_problems()] == ["baseline", "invalid_tool_call_advantage"]
+    assert AdvantageConfig().advantage_problems() == []
+    with pytest.raises(ValueError, match="invalid_tool_call_advantage must be a finite number"):
+        group_advantages(jnp.zeros((2, 4)), cfg=AdvantageConfig(invalid_tool_call_advantage=float("inf")))

@@ -245,14 +245,11 @@ class RolloutBatches:
         t_gen = time.time() - t0
 
         rewards = shaped_rewards(groups, cfg)
-        adv, adv_aux = group_advantages(jnp.asarray(rewards), baseline=cfg.baseline, normalize_std=cfg.normalize_std)
-        adv = np.asarray(adv)
+        invalid = np.array([[t.metrics.get("invalid_tool_calls", 0) > 0 for t in g.trajectories] for g in groups])
+        # cfg is an AdvantageConfig (algo.grpo extends it): baseline, normalize_std, invalid_tool_call_advantage.
+        adv, adv_aux = group_advantages(jnp.asarray(rewards), cfg=cfg, invalid_BxG=jnp.asarray(invalid, bool))
         trajectories = [t for g in groups for t in g.trajectories]
-        flat_adv = adv.reshape(-1)
-        if cfg.invalid_tool_call_advantage is not None:
-            for i, t in enumerate(trajectories):
-                if t.metrics.get("invalid_tool_calls", 0) > 0:
-                    flat_adv[i] = cfg.invalid_tool_call_advantage
+        flat_adv = np.asarray(adv).reshape(-1)
         batch, counts = policy_batch(
             trajectories, flat_adv, rows=self.rows, seq_len=self.stage.run.train.seq_len,
             mask_truncated=cfg.overlong_filter,
@@ -378,8 +375,8 @@ def run_grpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
     placed = stage.placed
     engine = make_engine(run, placed.model_def, placed.state.params, placed.state.model_state, mesh=placed.mesh,
                          tokenizer=tokenizer, seed=seed, stage_dir=stage_dir)  # fmt: skip
-    sampling = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                              top_k=cfg.top_k)  # fmt: skip
+    # SGLang's sampling_params object from the config's SamplingConfig group (n is the collector's).
+    sampling = SamplingParams.from_dict(cfg.sampling_params())
     audit = AuditLog(os.path.join(stage_dir, "audit.jsonl"))
     ahead = groups_ahead(cfg)
     collector = RolloutCollector(envs, tasks, engine, sampling, group_size=cfg.group_size, seed=seed, ahead=ahead,
