@@ -44,7 +44,11 @@ def test_compose_gives_the_typed_config_the_cli_composes():
 @pytest.mark.parametrize(
     "recipe, overrides, message",
     [
-        ("zephyr", [], r"no recipe 'zephyr'; pass one of eval, nemotron_like, sft_arithmetic"),
+        (
+            "zephyr",
+            [],
+            r"no recipe 'zephyr'; pass one of dapo, deepseek_r1_zero, dr_grpo, eval, gspo, nemotron_like, sft_arithmetic",
+        ),
         ("sft_arith", [], r"did you mean sft_arithmetic"),
         ("sft_arithmetic", ["trian.steps=3"], r"config key 'trian'.*Valid keys here: name, run_dir"),
         ("sft_arithmetic", ["train.steps=abc"], r"config key 'train.steps'.*could not be converted"),

@@ -1,0 +1,50 @@
+"""docs/recipes.md is what tools/recipes_table.py generates from the recipe files now, so the
+page cannot drift from the recipes; and the header fields it reads are parsed as written."""
+
+from ptrain.config.recipes import available_recipes
+from tools import recipes_table
+
+
+def test_docs_recipes_md_is_what_the_tool_generates_now():
+    with open(recipes_table.DOC) as f:
+        page = f.read()
+    assert page == recipes_table.render(), (
+        "docs/recipes.md differs from what the recipe files give (a recipe, its header or a default changed); "
+        f"regenerate it with: {recipes_table.COMMAND}"
+    )
+
+
+def test_every_recipe_header_says_what_it_reproduces_and_its_result():
+    from importlib import resources
+
+    for name in available_recipes():
+        text = (resources.files("ptrain.conf") / "recipe" / f"{name}.yaml").read_text()
+        fields = recipes_table.header_fields(text)
+        assert fields.get("Reproduces") and fields.get("Result"), (
+            f"recipes/{name}.yaml: header lacks Reproduces: or Result:"
+        )
+
+
+def test_header_fields_join_continuations_and_stop_before_a_table():
+    text = "\n".join([
+        "# @package _global_",
+        "# What it does.",
+        "#",
+        "# Reproduces: a paper (arXiv 1),",
+        "#             with its settings.",
+        "# Launch:     python -m ptrain recipe=x",
+        "# Result:     accuracy, seed 0:",
+        "#               step 0   0.1",
+        "#",
+        "# Result at scale=tiny: ignored, the first Result wins.",
+        "defaults:",
+        "# Reproduces: not in the header",
+    ])  # fmt: skip
+    fields = recipes_table.header_fields(text)
+    assert fields["Reproduces"] == "a paper (arXiv 1), with its settings."
+    assert fields["Result"] == "accuracy, seed 0:"
+    assert recipes_table.first_sentence(fields["Result"], "x") == (
+        "accuracy, seed 0; the numbers are in the header of recipes/x.yaml."
+    )
+    scaled = recipes_table.header_fields("# Result at scale=tiny: not measured yet.\n#   More. Text.")
+    assert recipes_table.first_sentence(scaled["Result"], "x") == "at scale=tiny: not measured yet."
