@@ -27,15 +27,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import os
 import time
 from typing import Any
 
 from ptrain.config import RunConfig
-from ptrain.data.tasks import write_jsonl
 from ptrain.envs.demonstrations import prompt_messages
 from ptrain.stages.env_metrics import calls_a_tool, declares_tools, is_correct
+from ptrain.stages.policy_pairs import save_pairs, saved_pairs
 
 PAIRS_FILE = "env_pairs.jsonl"
 EVAL_PAIRS_FILE = "env_pairs_eval.jsonl"
@@ -155,14 +154,8 @@ def env_pairs_data(run: RunConfig, stage_dir: str, placed, params, model_state, 
         held = dataclasses.replace(train, eval_path=eval_path) if n_eval else None
         return train, held
 
-    if os.path.isfile(path) and os.path.isfile(meta_path) and (not n_eval or os.path.isfile(eval_path)):
-        with open(meta_path) as f:
-            meta = json.load(f)
-        if meta.get("settings") != settings:
-            raise ValueError(
-                f"{meta_path} holds pairs sampled with {meta.get('settings')}, but this run asks for {settings}; "
-                f"use a new run_dir, or delete {path} and {meta_path} to sample again"
-            )
+    meta = saved_pairs(path, eval_path if n_eval else None, meta_path, settings)
+    if meta is not None:
         print(f"ptrain: reusing {meta['counts']['pairs']} environment pairs from {path}", flush=True)
         return configs()
 
@@ -199,14 +192,8 @@ def env_pairs_data(run: RunConfig, stage_dir: str, placed, params, model_state, 
             "no held-out pairs: the starting policy left nothing to prefer on the held-out tasks; set "
             "algo.dpo.policy_eval_pairs=0 to train without held-out preference metrics"
         )
-    write_jsonl(pairs, path)
-    if n_eval:
-        write_jsonl(held_pairs, eval_path)
     counts["seconds"] = round(time.time() - t0, 1)
-    tmp = f"{meta_path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(meta, f, indent=2)
-    os.replace(tmp, meta_path)
+    save_pairs(path, pairs, eval_path if n_eval else None, held_pairs if n_eval else [], meta_path, meta)
     cats = ", ".join(f"{counts[c]:.0f} {c}" for c in CATEGORIES)
     print(
         f"ptrain: sampled {settings['samples']} episodes of each of {counts['tasks']:.0f} tasks in {counts['seconds']} s: "

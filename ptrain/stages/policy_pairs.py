@@ -42,6 +42,33 @@ EVAL_PAIRS_FILE = "policy_pairs_eval.jsonl"
 META_FILE = "policy_pairs.json"
 
 
+def saved_pairs(path: str, eval_path: str | None, meta_path: str, settings: dict[str, Any]) -> dict | None:
+    """The meta record of pairs a stage sampled earlier with the same settings (a resumed
+    stage reads them back, so its data-iterator position stays valid); None when there are
+    none yet. ValueError when they were sampled with other settings."""
+    if not (os.path.isfile(path) and os.path.isfile(meta_path) and (eval_path is None or os.path.isfile(eval_path))):
+        return None
+    with open(meta_path) as f:
+        meta = json.load(f)
+    if meta.get("settings") != settings:
+        raise ValueError(
+            f"{meta_path} holds pairs sampled with {meta.get('settings')}, but this run asks for {settings}; "
+            f"use a new run_dir, or delete {path} and {meta_path} to sample again"
+        )
+    return meta
+
+
+def save_pairs(path: str, pairs: list[dict], eval_path: str | None, held: list[dict], meta_path: str, meta: dict):
+    """Write the pairs, then the meta record last (atomically): its presence marks them complete."""
+    write_jsonl(pairs, path)
+    if eval_path is not None:
+        write_jsonl(held, eval_path)
+    tmp = f"{meta_path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(meta, f, indent=2)
+    os.replace(tmp, meta_path)
+
+
 def _settings(run: RunConfig) -> dict[str, Any]:
     d = run.algo.dpo
     return {
@@ -168,14 +195,8 @@ def policy_pairs_data(run: RunConfig, stage_dir: str, placed, params, model_stat
         held = dataclasses.replace(data_cfg, source="jsonl", eval_path=eval_path) if n_eval else None
         return train, held
 
-    if os.path.isfile(path) and os.path.isfile(meta_path) and (not n_eval or os.path.isfile(eval_path)):
-        with open(meta_path) as f:
-            meta = json.load(f)
-        if meta.get("settings") != settings:
-            raise ValueError(
-                f"{meta_path} holds pairs sampled with {meta.get('settings')}, but this run asks for "
-                f"{settings}; use a new run_dir, or delete {path} and {meta_path} to sample again"
-            )
+    meta = saved_pairs(path, eval_path if n_eval else None, meta_path, settings)
+    if meta is not None:
         print(f"ptrain: reusing {meta['counts']['pairs']} on-policy pairs from {path}", flush=True)
         return configs()
 
@@ -189,6 +210,7 @@ def policy_pairs_data(run: RunConfig, stage_dir: str, placed, params, model_stat
             "algo.dpo.policy_temperature or algo.dpo.policy_pairs, or set it to 0"
         )
     meta = {"settings": settings, "counts": counts}
+    held_pairs: list[dict] = []
     if n_eval:
         held_pairs, held_counts = _sample_pairs(run, placed, state, data_cfg, tokenizer, settings, "eval", n_eval)
         if not held_pairs:
@@ -196,14 +218,9 @@ def policy_pairs_data(run: RunConfig, stage_dir: str, placed, params, model_stat
                 f"the starting policy answered all {held_counts['prompts']} held-out prompts correctly, so there "
                 "are no held-out pairs to measure: set algo.dpo.policy_eval_pairs=0 to use the data's own"
             )
-        write_jsonl(held_pairs, eval_path)
         meta["eval_counts"] = held_counts
-    write_jsonl(pairs, path)
     counts["seconds"] = round(time.time() - t0, 1)
-    tmp = f"{meta_path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(meta, f, indent=2)
-    os.replace(tmp, meta_path)
+    save_pairs(path, pairs, eval_path if n_eval else None, held_pairs, meta_path, meta)
     held = f"; {meta['eval_counts']['pairs']} held-out pairs -> {eval_path}" if n_eval else ""
     print(
         f"ptrain: sampled {settings['samples']} completions for each of {counts['prompts']} prompts in "

@@ -188,8 +188,8 @@ def test_the_export_loads_in_transformers_with_our_scores(tmp_path):
     """An untied Llama: the folder holds model.* and score.weight but no lm_head; transformers'
     LlamaForSequenceClassification loads it with nothing missing or unexpected, and its
     logits on a right-padded batch are our scores; load_hf_reward_model reads it back."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    import torch
+    import transformers
     from safetensors import safe_open
 
     rm = RewardModel(tiny_decoder(family="llama"), rngs=nnx.Rngs(1), pad_token_id=3)
@@ -302,8 +302,8 @@ def test_a_tiny_rm_stage_learns_its_pairs_and_exports_a_classifier_transformers_
     on the held-out pairs, tokenised by the exported tokenizer's chat template, its logits
     equal the scores of load_hf_reward_model, and give the final held-out metrics the stage
     logged from its own trained state."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    import torch
+    import transformers
 
     result = run_stage("rm", None, TINY_RM, run_dir=str(tmp_path / "run"))
     assert result.done and result.kind == "rm"
