@@ -75,7 +75,7 @@ def _run(cfg: DictConfig) -> dict:
     tune_xla_cpu(compute_dtype=run.model.dtype, moe=run.model.is_moe)
     from ptrain.api import run as run_api
     from ptrain.checkpoint import CheckpointError  # jax imports only after the config is known good
-    from ptrain.envs.sandbox import SandboxUnavailableError
+    from ptrain.sandbox import SandboxUnavailableError
     from ptrain.stages.loop import StageStopped, TrainingDiverged
 
     try:

@@ -4,12 +4,14 @@
   are how an upper layer is reached without loading it, and are checked per package below);
 - between packages, counting lazy imports too, no cycle, and these never import upward:
     config   nothing of ptrain but itself (and no JAX)
+    sandbox  nothing of ptrain but config (and no JAX); envs and the CLI use it
     data     no envs, rollout or stages
     rollout  no envs, stages or serve (the collector that joins engines and environments is
              the RL stage's; the HTTP server is a user of the engines)
     stages   no serve, api, cli or client (their users)
     envs     no stages
-- composing and validating a config loads neither JAX nor a stage or environment module.
+- composing and validating a config loads neither JAX nor a stage or environment module;
+  nor does importing the sandbox (environment worker processes and its CLI import it).
 """
 
 import ast
@@ -26,6 +28,9 @@ FORBIDDEN = {
     "ptrain.envs": {"ptrain.stages"},
     "ptrain.losses": {"ptrain.stages", "ptrain.train", "ptrain.models"},
     "ptrain.models": {"ptrain.stages", "ptrain.train", "ptrain.rollout", "ptrain.envs"},
+}
+ALLOWED_ONLY = {
+    "ptrain.sandbox": {"ptrain.config"},
 }
 
 
@@ -134,7 +139,7 @@ def test_packages_import_one_way():
                 continue
             by_package.setdefault(a, set()).add(b)
             banned = FORBIDDEN.get(a, set())
-            if "*" in banned or b in banned:
+            if "*" in banned or b in banned or (a in ALLOWED_ONLY and b not in ALLOWED_ONLY[a]):
                 upward.append(f"{mod} imports {dep}")
     assert upward == []
     assert cycles(by_package) == []
@@ -145,6 +150,16 @@ def test_composing_a_config_loads_no_jax_and_no_stage_or_environment():
         "import sys, ptrain\n"
         "cfg = ptrain.compose('sft_grpo_arithmetic', ['train.steps=8'])\n"
         "assert cfg.stages[1].kind == 'grpo'\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'grain', 'optax')\n"
+        "             or m.startswith(('ptrain.stages', 'ptrain.envs', 'ptrain.rollout', 'ptrain.models')))\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
+
+
+def test_the_sandbox_loads_no_jax_and_no_environment():
+    code = (
+        "import sys, ptrain.sandbox, ptrain.sandbox.__main__\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'grain', 'optax')\n"
         "             or m.startswith(('ptrain.stages', 'ptrain.envs', 'ptrain.rollout', 'ptrain.models')))\n"
         "assert not bad, bad\n"

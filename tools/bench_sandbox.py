@@ -30,7 +30,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ptrain.config.sandbox import SandboxConfig  # noqa: E402
-from ptrain.envs.sandbox import Sandbox, _sandbox_env  # noqa: E402
+from ptrain.sandbox.isolation import Sandbox, _sandbox_env  # noqa: E402
 
 SOLUTION = """
 def longest_common_prefix(words):

@@ -243,7 +243,7 @@ implementation that produces the hidden tests, and a parameter that varies betwe
 @register_options("code")
 @dataclass
 class CodeOptions:
-    """Write a Python function; hidden unit tests run in the sandbox (ptrain.envs.sandbox),
+    """Write a Python function; hidden unit tests run in the sandbox (ptrain.sandbox),
     all in one process with one result line per test; reward = fraction passed."""
 
     families: list[str] = field(default_factory=lambda: list(CODE_FAMILIES))

@@ -1,6 +1,6 @@
-"""Config of the code sandbox (`ptrain.envs.sandbox`): isolation backend and resource limits.
+"""Config of the code sandbox (`ptrain.sandbox`): isolation backend and resource limits.
 
-Jax-free and Hydra-free, so that `python -m ptrain.sandbox` and the environments' worker
+Jax-free, so that `python -m ptrain.sandbox` and the environments' worker
 processes import it cheaply. Every field is documented where it is declared.
 """
 

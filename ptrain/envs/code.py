@@ -1,7 +1,7 @@
 """The `code` environment: write a Python function; hidden unit tests run in the sandbox.
 
 The completion's code (its last ```python block) and the task's hidden tests run in one
-`ptrain.envs.sandbox` run per sample: a harness executes the code once, then each test
+`ptrain.sandbox` run per sample: a harness executes the code once, then each test
 (usually one assert) in a fresh copy of the code's namespace with its own time limit
 (options.test_timeout_s), and writes one result line per test. reward = correct_reward x
 (tests passed / tests), as the component `tests`; metrics tests_passed, tests_total,
@@ -489,7 +489,7 @@ class CodeEnv(SingleTurnEnv):
     def __init__(self, cfg: Any, options: Any, *, tokenizer: Any, sandbox: Any = None, runner: Any = None):
         super().__init__(cfg, options, tokenizer=tokenizer, sandbox=sandbox, runner=runner)
         from ptrain.config.sandbox import SandboxConfig
-        from ptrain.envs.sandbox import Sandbox
+        from ptrain.sandbox import Sandbox
 
         if sandbox is None or isinstance(sandbox, SandboxConfig):
             # Probes the backend now: SandboxUnavailableError says what to install.
@@ -576,7 +576,7 @@ class CodeEnv(SingleTurnEnv):
 
     async def score(self, task: Task, text: str) -> Score:
         """Run the code and the hidden tests in the sandbox; score the fraction passed."""
-        from ptrain.envs.sandbox import SandboxUnavailableError
+        from ptrain.sandbox import SandboxUnavailableError
 
         code = self.extract(task, text)
         if code is None:

@@ -64,7 +64,6 @@ from ptrain.config.env_multi_turn import MultiTurnOptions
 from ptrain.data.tokenizer import stop_token_ids
 from ptrain.envs.base import Task, TaskSplits, Trajectory, Turn
 from ptrain.envs.episode import EpisodeState, EpisodeStore
-from ptrain.envs.sandbox import Sandbox
 from ptrain.envs.tools import (
     SANDBOXED_TOOLS,
     Tool,
@@ -76,6 +75,7 @@ from ptrain.envs.tools import (
     tool_sandbox,
 )
 from ptrain.rollout.protocol import EngineUnavailable, GenerateRequest, RequestError, RolloutEngine, SamplingParams
+from ptrain.sandbox import Sandbox
 
 logger = logging.getLogger(__name__)
 

@@ -135,7 +135,7 @@ def make_env(cfg: EnvConfig, *, tokenizer: Any, sandbox: Any = None) -> Environm
     """Validate `cfg` (EnvConfigError names a bad key) and build its environment.
 
     tokenizer: the policy's Hugging Face tokenizer (its chat template renders the prompts).
-    sandbox: a `ptrain.envs.sandbox.Sandbox` for kinds that run model-written code, or a
+    sandbox: a `ptrain.sandbox.Sandbox` for kinds that run model-written code, or a
     SandboxConfig to build one from; None builds one with the default SandboxConfig. Where
     nothing isolates, that raises SandboxUnavailableError (saying what to install).
     """

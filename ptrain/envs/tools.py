@@ -5,7 +5,7 @@
     result = await tools["calculator"].call({"expression": "2 ** 10"}, context)
 
 Tools:
-  python      runs code in `ptrain.envs.sandbox` with the episode's workspace as its working
+  python      runs code in `ptrain.sandbox` with the episode's workspace as its working
               folder; stdout and stderr come back interleaved, capped.
   bash        runs a shell command the same way (the terminal kind's tool).
   calculator  evaluates arithmetic with a parser of its own (Python's `ast` grammar, a
@@ -55,7 +55,7 @@ from typing import Any
 
 from ptrain.config.env_multi_turn import SANDBOX_MARGIN_S
 from ptrain.config.sandbox import SandboxConfig
-from ptrain.envs.sandbox import Sandbox
+from ptrain.sandbox import Sandbox
 
 TOOL_NAMES = ("python", "bash", "calculator", "read_file", "write_file", "list_files", "search")
 """Every tool `make_tools` can build."""

@@ -15,9 +15,9 @@ from ptrain.config.sandbox import SandboxConfig
 from ptrain.data.tokenizer import build_tokenizer
 from ptrain.envs.code import FAMILIES, extract_code, generate_task, split_tests
 from ptrain.envs.registry import make_env
-from ptrain.envs.sandbox import SandboxUnavailableError
 from ptrain.rollout.protocol import SamplingParams
 from ptrain.rollout.replay import ReplayEngine
+from ptrain.sandbox import SandboxUnavailableError
 
 SQUARE_TESTS = ["assert f(1) == 1", "assert f(2) == 4", "assert f(3) == 9", "assert f(4) == 16"]
 

@@ -19,9 +19,9 @@ from ptrain.envs.base import Task
 from ptrain.envs.instruction_following import constraint_results, final_response
 from ptrain.envs.registry import make_env
 from ptrain.envs.safety import RewardRunner
-from ptrain.envs.sandbox import SandboxUnavailableError
 from ptrain.rollout.protocol import SamplingParams
 from ptrain.rollout.replay import ReplayEngine
+from ptrain.sandbox import SandboxUnavailableError
 
 N_TASKS = 20
 MAX_NEW_TOKENS = 4096

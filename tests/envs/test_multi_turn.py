@@ -25,11 +25,11 @@ from ptrain.envs.episode import STATE_VERSION, EpisodeStore
 from ptrain.envs.long_horizon import LongHorizonEnv
 from ptrain.envs.multi_turn import TOOLS_SYSTEM_PROMPT, ChatFormat, ChatTemplateError, parse_tool_calls
 from ptrain.envs.safety import RewardRunner
-from ptrain.envs.sandbox import SandboxUnavailableError
 from ptrain.envs.tool_use import ToolUseEnv
 from ptrain.envs.tools import CalculatorTool
 from ptrain.rollout.protocol import SamplingParams
 from ptrain.rollout.replay import Completion, ReplayEngine, rescore
+from ptrain.sandbox import SandboxUnavailableError
 
 sys.path.insert(0, os.path.dirname(__file__))
 from chat_templates import QWEN3, QWEN25  # noqa: E402

@@ -16,11 +16,11 @@ from ptrain.data.tokenizer import build_tokenizer
 from ptrain.envs.episode import EpisodeStore
 from ptrain.envs.registry import make_env
 from ptrain.envs.safety import RewardRunner
-from ptrain.envs.sandbox import SandboxUnavailableError
 from ptrain.envs.terminal import FAMILIES, make_repository, parse_unittest, run_tests
 from ptrain.envs.tools import Workspace, tool_sandbox
 from ptrain.rollout.protocol import SamplingParams
 from ptrain.rollout.replay import ReplayEngine
+from ptrain.sandbox import SandboxUnavailableError
 
 
 @pytest.fixture(scope="module")

@@ -17,11 +17,11 @@ from ptrain.config.env import EnvConfig, EnvConfigError, validate_env_config
 from ptrain.data.tokenizer import build_tokenizer
 from ptrain.envs.registry import make_env
 from ptrain.envs.safety import RewardRunner
-from ptrain.envs.sandbox import SandboxUnavailableError
 from ptrain.envs.tool_use import SYSTEM_PROMPT, ToolUseEnv, judge_answer
 from ptrain.envs.tools import TOOL_NAMES, bundled_corpus, calculate
 from ptrain.rollout.protocol import SamplingParams
 from ptrain.rollout.replay import ReplayEngine
+from ptrain.sandbox import SandboxUnavailableError
 
 sys.path.insert(0, os.path.dirname(__file__))
 from chat_templates import QWEN25  # noqa: E402

