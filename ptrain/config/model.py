@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ptrain.config.lora import LoRAConfig
+
 
 @dataclass
 class ModelConfig:
@@ -106,6 +108,10 @@ class ModelConfig:
     seed: int | None = None
     """Seed of the embedded model's initial weights; null: derived from the top-level `seed`
     (ptrain/config/seeds.py)."""
+
+    # --- adapters ---
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Train low-rank adapters on a frozen base instead of every weight (ptrain/config/lora.py)."""
 
     @property
     def is_moe(self) -> bool:

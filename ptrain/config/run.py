@@ -220,6 +220,13 @@ def stage_config(run: RunConfig, stage: StageConfig) -> RunConfig:
     if stage.kind == "grpo":
         _grpo_stage_batch(out, f"stage '{stage.name}': ")
     _validate_values(out, where=f"stage '{stage.name}': ")
+    _check(
+        not (stage.kind == "rm" and out.model.lora.enabled),
+        "model.lora.rank",
+        "a reward model trains its new score head, which an adapter does not cover; train the rm stage without "
+        "LoRA (model.lora.rank=0)",
+        f"stage '{stage.name}': ",
+    )
     need = STAGES[stage.kind].data_format if stage.kind in STAGES else None
     if need is not None and out.data.format != need:
         raise ConfigError(
@@ -484,6 +491,8 @@ def _validate_values(run: RunConfig, where: str = "") -> None:
     c(m.dtype in C.COMPUTE_DTYPES, "model.dtype", f"pass {one_of(C.COMPUTE_DTYPES)}, got '{m.dtype}'")
     c(m.param_dtype in C.PARAM_DTYPES, "model.param_dtype", f"pass {one_of(C.PARAM_DTYPES)}, got '{m.param_dtype}'")
     c(m.remat in C.REMAT_MODES, "model.remat", f"pass {one_of(C.REMAT_MODES)}, got '{m.remat}'")
+    for name, problem in m.lora.lora_problems(tie_embeddings=m.tie_embeddings, is_moe=m.n_experts > 0):
+        c(False, f"model.lora.{name}", problem)
     c(m.router in C.ROUTERS, "model.router", f"pass {one_of(C.ROUTERS)}, got '{m.router}'")
     if m.hf_path is not None:
         c(

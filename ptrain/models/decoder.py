@@ -36,6 +36,7 @@ from flax import nnx, struct
 from ptrain.config import choices
 from ptrain.config.model import ModelConfig
 from ptrain.kernels import cpu as cpu_kernels
+from ptrain.models import lora
 from ptrain.models.layers import MLP, Attention, RMSNorm, as_dtype, attention_mask, param, rope_inv_freq, rope_tables
 
 REMAT_POLICIES = {
@@ -276,7 +277,7 @@ class Decoder(nnx.Module):
         """Output projection [D, V] (the transposed embedding when tied), param dtype."""
         if self._frozen.cfg.tie_embeddings:
             return self.embed[...].T
-        return self.lm_head[...]
+        return lora.merged(self.lm_head[...])  # the chunked vocabulary loss reads the head whole
 
     def logits_from_hidden(self, h_BxLxD: jax.Array) -> jax.Array:
         """Final-normed hidden states -> float32 logits [B, L, V]."""

@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from ptrain.kernels import cpu as cpu_kernels
+from ptrain.models import lora
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -325,7 +326,7 @@ class Attention(nnx.Module):
             )
         else:
             q, k, v = (
-                jnp.einsum("bld,dnh->blnh", x_BxTxD, p[...].astype(self.dtype)) for p in (self.q, self.k, self.v)
+                lora.einsum_weight("bld,dnh->blnh", x_BxTxD, p[...], self.dtype) for p in (self.q, self.k, self.v)
             )
         if self.qkv_bias:
             biases = (self.q_bias, self.k_bias, self.v_bias)
@@ -386,8 +387,8 @@ class Attention(nnx.Module):
         w = self.o[...]
         if isinstance(w, cpu_kernels.PackedWeight):
             return cpu_kernels.packed_dense(out_BxTxHxDh.reshape(B, T, H * Dh), w)
-        w = w.astype(self.dtype).reshape(H * Dh, -1)
-        return (out_BxTxHxDh.reshape(B, T, H * Dh) @ w).astype(out_BxTxHxDh.dtype)
+        y = out_BxTxHxDh.reshape(B, T, H * Dh) @ lora.base_of(w).astype(self.dtype).reshape(H * Dh, -1)
+        return lora.add_update(y.astype(out_BxTxHxDh.dtype), out_BxTxHxDh, w)
 
 
 class MLP(nnx.Module):
@@ -406,6 +407,10 @@ class MLP(nnx.Module):
         if isinstance(gate, cpu_kernels.PackedWeight):  # a decode step: gate | up in one packed weight
             g, u = gate.split(cpu_kernels.packed_dense(x, gate))
             return cpu_kernels.packed_dense(jax.nn.silu(g) * u, down)
+        if any(isinstance(w, lora.LoRAWeight) for w in (gate, up, down)):  # adapters: x W + (x A) B each
+            g, u = (lora.add_update(x @ lora.base_of(w).astype(dt), x, w) for w in (gate, up))
+            h = jax.nn.silu(g) * u
+            return lora.add_update(h @ lora.base_of(down).astype(dt), h, down)
         return swiglu(x, gate.astype(dt), up.astype(dt), down.astype(dt))
 
 

@@ -36,6 +36,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ptrain.kernels import moe as moe_kernels
+from ptrain.models import lora
 from ptrain.models.layers import MLP, as_dtype, param
 
 
@@ -159,9 +160,11 @@ class MoE(nnx.Module):
             x_TxD,
             r.expert_ids_Txk,
             r.weights_Txk.astype(x_TxD.dtype),
-            self.w_gate[...],
-            self.w_up[...],
-            self.w_down[...],
+            # An adapter of the routed experts is merged into each expert's weight: the grouped
+            # matmul takes one weight per expert.
+            lora.merged(self.w_gate[...]),
+            lora.merged(self.w_up[...]),
+            lora.merged(self.w_down[...]),
             implementation=self.implementation,
             mesh=None if ep is None else ep.mesh,
             expert_axis=None if ep is None else ep.axis,

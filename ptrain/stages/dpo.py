@@ -81,7 +81,9 @@ def preference_evaluator(
                 break
             c, r = (
                 np.asarray(x)
-                for x in pair_logps(state.params, state.model_state, jax.device_put(batch, batch_sharding(mesh)))
+                for x in pair_logps(
+                    state.merged_params(), state.model_state, jax.device_put(batch, batch_sharding(mesh))
+                )
             )
             keep = batch["pair_index"] >= 0
             idx = batch["pair_index"][keep]
@@ -130,7 +132,8 @@ def run_dpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict
     placed = stage.placed
     # The reference is the starting weights: everything below that reads it runs before
     # train_evaluate_export restores a checkpoint.
-    init_params, init_mstate = placed.state.params, placed.state.model_state
+    init_state = placed.state
+    init_params, init_mstate = init_state.params, init_state.model_state  # the adapters alone under LoRA
     pref_eval_cfg = data_cfg  # whose eval split the held-out preference metrics read
     if algo.policy_pairs:
         data_cfg, held = policy_pairs_data(run, stage_dir, placed, init_params, init_mstate, data_cfg, tokenizer)
@@ -149,13 +152,27 @@ def run_dpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict
     batches = IteratorBatches(train_iter)
     if needs_ref and algo.precompute_reference:
         ref = reference_logprobs(
-            pair_logps, placed.mesh, init_params, init_mstate, data_cfg, tokenizer, split="train", **passes
+            pair_logps,
+            placed.mesh,
+            init_state.merged_params(),
+            init_mstate,
+            data_cfg,
+            tokenizer,
+            split="train",
+            **passes,
         )
         batches = IteratorBatches(train_iter, transform=add_reference(*ref))
     evaluators = []
     if pref_eval_cfg.eval_path is not None and t.eval_batches > 0:
         ref_eval = reference_logprobs(
-            pair_logps, placed.mesh, init_params, init_mstate, pref_eval_cfg, tokenizer, split="eval", **passes
+            pair_logps,
+            placed.mesh,
+            init_state.merged_params(),
+            init_mstate,
+            pref_eval_cfg,
+            tokenizer,
+            split="eval",
+            **passes,
         )
         evaluators.append(preference_evaluator(run, pair_logps, placed.mesh, pref_eval_cfg, tokenizer, ref_eval))
     if data_cfg.eval_path is not None and t.eval_generate > 0:

@@ -214,7 +214,7 @@ def env_evaluator(run, envs: Mapping[str, Environment], engine, *, sync_weights:
 
     def evaluate(state) -> dict[str, float]:
         if sync_weights:
-            engine.update_weights(state.params, state.model_state or None, mode="abort")
+            engine.update_weights(state.merged_params(), state.model_state or None, mode="abort")
         return evaluate_envs(envs, engine, cfg, seed=seed)
 
     return evaluate

@@ -37,7 +37,7 @@ def heldout_loss_evaluator(run: RunConfig, data_cfg, tokenizer, placed) -> Calla
         for i, batch in enumerate(it):
             if i >= t.eval_batches:
                 break
-            n, c, k = sums(state.params, state.model_state, jax.device_put(batch, batch_sharding(placed.mesh)))
+            n, c, k = sums(state.merged_params(), state.model_state, jax.device_put(batch, batch_sharding(placed.mesh)))
             nll, tokens, correct = nll + float(n), tokens + float(c), correct + float(k)
         tokens = max(tokens, 1.0)
         return {"loss": nll / tokens, "token_accuracy": correct / tokens}
@@ -65,7 +65,7 @@ def eval_engine(run: RunConfig, placed, state, *, longest_prompt: int, max_new_t
     from ptrain.rollout.local import LocalEngine
     from ptrain.stages.setup import rules_of
 
-    model = placed.model_def.bind(state.params, state.model_state)
+    model = placed.model_def.bind(state.merged_params(), state.model_state)
     max_len = model.cfg.max_seq_len
     context = min(max_len, longest_prompt + max_new_tokens + 1)
     return LocalEngine(
@@ -142,7 +142,7 @@ class ExactMatchEvaluator:
             self.engine = eval_engine(
                 self.run, self.placed, state, longest_prompt=longest, max_new_tokens=t.eval_max_new_tokens
             )
-        self.engine.update_weights(state.params, state.model_state or None, mode="abort")
+        self.engine.update_weights(state.merged_params(), state.model_state or None, mode="abort")
         outs = [c[0] for c in complete(self.engine, self.ids, self.tokenizer, max_new_tokens=t.eval_max_new_tokens)]
         correct = sum(bool(check_answer(p.task, o.text)) for p, o in zip(self.prompts, outs))
         return {

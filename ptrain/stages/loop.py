@@ -53,11 +53,13 @@ def restore_or_start(ckpt: StageCheckpointer, placed: Placed, resume: bool):
     """(start step, state, data-iterator state or None) from the newest readable checkpoint."""
     if not resume:
         return 0, placed.state, None
-    abstract = abstract_like(placed.state, placed.state_shardings)
+    # A checkpoint holds no frozen LoRA base (TrainState.checkpointed): it is the starting model.
+    abstract = abstract_like(placed.state.checkpointed(), placed.state_shardings.checkpointed())
     got = ckpt.restore_latest(abstract)
     if got is None:
         return 0, placed.state, None
     step, state, data_state, _ = got
+    state = state.replace(base_params=placed.state.base_params)
     print(f"ptrain: resumed from checkpoint step {step} in {ckpt.directory}", flush=True)
     return step, state, data_state
 
@@ -199,7 +201,7 @@ def train_loop(
         if pending is not None:
             drain(pending)
         if at > saved:
-            checkpointer.save(at, state, batches.get_state(), dict(meta, step=at, metrics=last))
+            checkpointer.save(at, state.checkpointed(), batches.get_state(), dict(meta, step=at, metrics=last))
         checkpointer.wait()
         raise StageStopped.at(stage.name, at, error) from error
 
@@ -241,7 +243,7 @@ def train_loop(
             if pending is not None:
                 drain(pending)  # the step's metrics reach the JSONL before its checkpoint exists
                 pending = None
-            checkpointer.save(step, state, batches.get_state(), dict(meta, step=step, metrics=last))
+            checkpointer.save(step, state.checkpointed(), batches.get_state(), dict(meta, step=step, metrics=last))
             saved = step
     if pending is not None:
         drain(pending)
@@ -250,17 +252,29 @@ def train_loop(
 
 
 def export_stage(placed: Placed, state: TrainState, stage_dir: str, tokenizer) -> str:
-    """Write the stage's final weights as a Hugging Face folder (atomically)."""
+    """Write the stage's final weights as a Hugging Face folder (atomically). Under LoRA that
+    folder holds the adapters merged into the base, and `adapter/` beside it the adapters
+    alone as a PEFT folder (which the next stage, transformers + PEFT or a server loads)."""
     from ptrain.models import save_hf
 
-    model = placed.model_def.bind(state.params, state.model_state)
+    model = placed.model_def.bind(state.merged_params(), state.model_state)
     out = os.path.join(stage_dir, "export")
+    _write_atomically(out, lambda tmp: save_hf(model, tmp, tokenizer=tokenizer))
+    if state.lora is not None and "experts" not in state.lora.targets:
+        from ptrain.models.peft_io import save_peft
+
+        _write_atomically(
+            os.path.join(stage_dir, "adapter"), lambda tmp: save_peft(state.params, state.lora, model.cfg, tmp)
+        )
+    return out
+
+
+def _write_atomically(out: str, write: Callable[[str], None]) -> None:
     tmp = out + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    save_hf(model, tmp, tokenizer=tokenizer)
+    write(tmp)
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
-    return out
 
 
 def train_evaluate_export(

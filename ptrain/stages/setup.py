@@ -17,6 +17,7 @@ from flax import nnx
 
 from ptrain.config import RunConfig
 from ptrain.config.seeds import component_seed
+from ptrain.models.lora import LoRASpec
 from ptrain.parallel import batch_sharding, make_mesh, replicated, shardings_for
 from ptrain.parallel.sharding import DEFAULT_RULES, shardings_following_params
 from ptrain.train.state import ModelDef, TrainState, logical_axes, split_model
@@ -174,6 +175,15 @@ def place_state(run: RunConfig, model, tx, mesh, *, with_reference: bool = False
     mstate_sh = shardings_for(model_state, state_axes, mesh, rules)
     params = jax.device_put(params, param_sh)
     model_state = jax.device_put(model_state, mstate_sh)
+    spec = base = base_sh = None
+    if run.model.lora.enabled:  # train adapters over the frozen base, which is also the reference
+        spec, base, base_sh = LoRASpec.of(run.model.lora), params, param_sh
+        if run.model.lora.base_dtype != "float32":
+            dt = jnp.dtype(run.model.lora.base_dtype)
+            cast = lambda t: jax.tree.map(lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x, t)
+            base = jax.jit(cast, out_shardings=base_sh)(base)
+        params, param_sh = lora_adapters(run, spec, base, param_axes, mesh)
+        with_reference = False
     abstract_opt = jax.eval_shape(tx.init, params)
     opt_sh = shardings_following_params(abstract_opt, params, param_sh, mesh)
     opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
@@ -186,6 +196,8 @@ def place_state(run: RunConfig, model, tx, mesh, *, with_reference: bool = False
         rng=jax.device_put(jax.random.key_data(jax.random.key(component_seed(run, "train.seed"))), rep),
         model_state=model_state,
         ref_params=ref,
+        base_params=base,
+        lora=spec,
     )
     shardings = TrainState(
         step=rep,
@@ -194,8 +206,25 @@ def place_state(run: RunConfig, model, tx, mesh, *, with_reference: bool = False
         rng=rep,
         model_state=mstate_sh,
         ref_params=param_sh if with_reference else None,
+        base_params=base_sh,
+        lora=spec,
     )
     return Placed(model_def, state, shardings, mesh)
+
+
+def lora_adapters(run: RunConfig, spec: LoRASpec, base, param_axes, mesh):
+    """Fresh adapters for the placed `base` (cast in place to model.lora.base_dtype) and their
+    shardings, which follow the logical axes of the weights they adapt."""
+    from ptrain.config import ConfigError
+    from ptrain.config.seeds import derive_seed
+    from ptrain.models.lora import adapter_axes, init_adapters
+
+    try:
+        adapters = init_adapters(base, spec, jax.random.key(derive_seed(component_seed(run, "train.seed"), "lora")))
+    except ValueError as e:
+        raise ConfigError(f"config key 'model.lora.targets': {e}; pass targets this model has") from None
+    sh = shardings_for(adapters, adapter_axes(param_axes, adapters, spec), mesh, rules_of(run))
+    return jax.device_put(adapters, sh), sh
 
 
 def jit_step(step_fn, placed: Placed):

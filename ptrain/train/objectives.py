@@ -70,7 +70,9 @@ def make_sft_objective(model_def: ModelDef, cfg: SFTAlgoConfig, *, aux_loss_coef
 
     def objective(params, state: TrainState, batch: dict, denoms: dict[str, jax.Array]):
         denom, tokens = denoms["loss"], denoms["tokens"]  # from sft_denominator
-        stats, model_aux = target_stats(model_def, params, state.model_state, batch, vocab_chunk)
+        stats, model_aux = target_stats(
+            model_def, state.model_params(params, batch), state.model_state, batch, vocab_chunk
+        )
         kwargs = dict(label_smoothing=cfg.label_smoothing, z_loss=cfg.z_loss, segment_ids_BxL=batch["segment_ids"])
         if cfg.aggregation == "sum":
             loss, aux = sft_loss_from_stats(stats, batch["loss_mask"], aggregation="sum", norm_constant=denom, **kwargs)
@@ -147,14 +149,15 @@ def make_dpo_objective(model_def: ModelDef, cfg: DPOAlgoConfig, *, vocab_chunk: 
     (+ the MoE load-balancing loss of the policy's forward, weighted by aux_loss_coef).
 
     Reference log-probs come from the batch (`ref_chosen_logps` / `ref_rejected_logps`,
-    precomputed in one pass) when present, else from `state.ref_params` in the same step.
+    precomputed in one pass) when present, else from the reference (`state.reference_params()`) in
+    the same step.
     Metrics are means over the global batch (already divided by the pair count).
     """
     reference_free = cfg.kind in REFERENCE_FREE_KINDS
 
     def objective(params, state: TrainState, batch: dict, denom: jax.Array):
         pc, pr, nc, nr, model_aux = pair_logprobs(
-            model_def, params, state.model_state, batch, vocab_chunk, return_aux=True
+            model_def, state.model_params(params, batch), state.model_state, batch, vocab_chunk, return_aux=True
         )
         if reference_free:
             rc = rr = None
@@ -162,7 +165,7 @@ def make_dpo_objective(model_def: ModelDef, cfg: DPOAlgoConfig, *, vocab_chunk: 
             rc, rr = batch["ref_chosen_logps"], batch["ref_rejected_logps"]
         else:
             rc, rr, _, _ = pair_logprobs(
-                model_def, jax.lax.stop_gradient(state.ref_params), state.model_state, batch, vocab_chunk
+                model_def, jax.lax.stop_gradient(state.reference_params()), state.model_state, batch, vocab_chunk
             )
         loss_b, aux = preference_loss(
             pc,

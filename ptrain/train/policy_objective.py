@@ -74,7 +74,7 @@ def make_policy_objective(model_def: ModelDef, cfg: Any, *, vocab_chunk: int = 0
     """GRPO / Dr. GRPO / DAPO / GSPO / CISPO objective (`cfg` is an `algo.grpo` config, which
     the policy loss takes whole: its loss options are PolicyLossConfig's).
 
-    With `cfg.kl_coef > 0` the reference's log-probs come from `state.ref_params` (a second
+    With `cfg.kl_coef > 0` the reference's log-probs come from `state.reference_params()` (a second
     forward pass without gradient). Metrics add up over micro-batches (see step.py); the
     stage's finalisation divides nothing further: token means arrive already weighted.
     """
@@ -82,12 +82,22 @@ def make_policy_objective(model_def: ModelDef, cfg: Any, *, vocab_chunk: int = 0
 
     def objective(params, state: TrainState, batch: dict, denoms: dict[str, jax.Array]):
         stats, model_aux = _forward_stats(
-            model_def, params, state.model_state, batch, temperature=temperature, vocab_chunk=vocab_chunk
+            model_def,
+            state.model_params(params, batch),
+            state.model_state,
+            batch,
+            temperature=temperature,
+            vocab_chunk=vocab_chunk,
         )
         ref = None
         if cfg.kl_coef > 0:
             ref = policy_logprobs(
-                model_def, state.ref_params, state.model_state, batch, temperature=temperature, vocab_chunk=vocab_chunk
+                model_def,
+                state.reference_params(),
+                state.model_state,
+                batch,
+                temperature=temperature,
+                vocab_chunk=vocab_chunk,
             )
         loss, aux = policy_loss(
             stats.logp,

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from ptrain.models.lora import LoRASpec, attach, merge
+
 PyTree = Any
 
 
@@ -31,7 +33,44 @@ class TrainState:
     model_state: PyTree = None
     """Non-trainable model variables (router bias, ...); updated by the step, not the optimizer."""
     ref_params: PyTree = None
-    """Frozen reference parameters for losses that need them (DPO); None otherwise."""
+    """Frozen reference parameters for losses that need them (DPO); None otherwise (and under
+    LoRA, whose base is the reference)."""
+    base_params: PyTree = None
+    """Under LoRA: the frozen base weights, with `params` holding only the adapters
+    (ptrain/models/lora.py). Not checkpointed: it is the stage's starting model. None otherwise."""
+    lora: LoRASpec | None = struct.field(pytree_node=False, default=None)
+    """Under LoRA, the adapters' static settings; None otherwise."""
+
+    def model_params(self, params: PyTree = None, batch: dict | None = None) -> PyTree:
+        """The module's param tree for `ModelDef.bind`: `params` (default: this state's), or,
+        under LoRA, the base with those adapters attached. With `batch` (a training
+        micro-batch) adapter dropout draws its masks from the state's rng, the step and the
+        micro-batch, so every micro-batch of every step draws its own."""
+        params = self.params if params is None else params
+        if self.lora is None:
+            return params
+        key = None
+        if batch is not None and self.lora.dropout > 0:
+            key = jax.random.fold_in(jax.random.wrap_key_data(self.rng), self.step)
+            ids = [jnp.sum(x, dtype=jnp.uint32) for x in jax.tree.leaves(batch) if jnp.issubdtype(x.dtype, jnp.integer)]
+            key = jax.random.fold_in(key, sum(ids, jnp.zeros((), jnp.uint32)))
+        return attach(self.base_params, params, self.lora, key)
+
+    def merged_params(self) -> PyTree:
+        """Plain weights of the current model (under LoRA the adapters merged into the base):
+        what the rollout engine and an export take."""
+        if self.lora is None:
+            return self.params
+        return merge(self.base_params, self.params, self.lora)
+
+    def reference_params(self) -> PyTree:
+        """The frozen reference model's param tree: `ref_params`, or under LoRA the base
+        without adapters (no second copy of the weights)."""
+        return self.base_params if self.lora is not None else self.ref_params
+
+    def checkpointed(self) -> TrainState:
+        """What a checkpoint holds: everything but the frozen base (which the stage reloads)."""
+        return self.replace(base_params=None)
 
 
 @dataclasses.dataclass(frozen=True)

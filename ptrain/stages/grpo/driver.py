@@ -111,7 +111,9 @@ class RolloutBatches:
     def begin(self, step: int, state: TrainState) -> None:
         """Before the first step (fresh or resumed): bring the engine to these weights."""
         self.state, self.version = state, step
-        self.engine.update_weights(state.params, state.model_state or None, weight_version=str(step), mode="abort")
+        self.engine.update_weights(
+            state.merged_params(), state.model_state or None, weight_version=str(step), mode="abort"
+        )
         self.collector.set_version(step)
         if self.cfg.mode == "async":
             self.collector.start()
@@ -139,7 +141,9 @@ class RolloutBatches:
             mode = "drain"
             if self.queue:  # more optimizer steps on this rollout batch before the next sampling
                 return
-        self.engine.update_weights(state.params, state.model_state or None, weight_version=str(step), mode=mode)
+        self.engine.update_weights(
+            state.merged_params(), state.model_state or None, weight_version=str(step), mode=mode
+        )
         self.collector.set_version(step)
         self.step_metrics[-1] = dict(self.step_metrics[-1], **{"time/weight_sync_s": time.time() - t0})
 
@@ -255,7 +259,7 @@ class RolloutBatches:
             mask_truncated=cfg.overlong_filter,
         )  # fmt: skip
         if cfg.epochs > 1 or cfg.mini_batches > 1:
-            batch["old_logp"] = np.asarray(self._old_logp(self.state.params, self.state.model_state, batch))
+            batch["old_logp"] = np.asarray(self._old_logp(self.state.model_params(), self.state.model_state, batch))
         self._split(batch)
         if self.collector.audit is not None:
             self.collector.audit.write(
@@ -373,7 +377,7 @@ def run_grpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
                            width=cfg.pass_rate_width, target_end=cfg.pass_rate_target_end,
                            schedule_draws=max(run.train.steps * cfg.prompts_per_step, 1), seed=seed)  # fmt: skip
     placed = stage.placed
-    engine = make_engine(run, placed.model_def, placed.state.params, placed.state.model_state, mesh=placed.mesh,
+    engine = make_engine(run, placed.model_def, placed.state.merged_params(), placed.state.model_state, mesh=placed.mesh,
                          tokenizer=tokenizer, seed=seed, stage_dir=stage_dir)  # fmt: skip
     # SGLang's sampling_params object from the config's SamplingConfig group (n is the collector's).
     sampling = SamplingParams.from_dict(cfg.sampling_params())
