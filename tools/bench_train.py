@@ -2,6 +2,11 @@
 
     python tools/bench_train.py                 # the issue's shape: 8 layers, d 512, batch 8 x 512, float32
     python tools/bench_train.py --steps 5 --layers 2 --batch 4 --seq 256   # a quick look
+    python tools/bench_train.py --lora 16      # full fine-tuning against LoRA rank 16, same shape
+
+With `--lora R` the step is timed twice, each in its own process so that peak memory (max RSS)
+is each one's own: full fine-tuning, and LoRA adapters of rank R on every linear layer of a
+frozen base; the table adds the optimizer-state bytes of each.
 
 In one process: measures this CPU's matmul peak (a large jitted float32 matmul), then times
 the full train step (forward, backward, AdamW, grad clipping) of a Qwen3-style decoder, and
@@ -28,7 +33,9 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ptrain.config import ModelConfig, OptimConfig, SFTAlgoConfig, TrainConfig
+from ptrain.config.lora import LoRAConfig
 from ptrain.models import Decoder, flops_per_token
+from ptrain.models.lora import LoRASpec, init_adapters
 from ptrain.runtime import reexec_with_malloc_tuning, tune_xla_cpu
 from ptrain.train.objectives import make_sft_objective, sft_denominator
 from ptrain.train.optim import make_optimizer
@@ -133,7 +140,14 @@ def bench(args) -> dict:
     step = jax.jit(
         make_train_step(objective, sft_denominator(algo, 1.0), tx, lr, grad_accum=args.grad_accum), donate_argnums=(0,)
     )
-    state = init_train_state(params, tx, seed=0, model_state=rest)
+    trainable = params
+    if args.lora_rank:
+        spec = LoRASpec.of(LoRAConfig(rank=args.lora_rank))
+        trainable = init_adapters(params, spec, jax.random.key(0))
+    state = init_train_state(trainable, tx, seed=0, model_state=rest)
+    if args.lora_rank:
+        state = state.replace(base_params=params, lora=spec)
+    opt_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.opt_state))
     rng = np.random.default_rng(0)
     B, L = args.batch, args.seq
     ids = rng.integers(0, args.vocab, (B, L + 1)).astype(np.int32)
@@ -153,6 +167,9 @@ def bench(args) -> dict:
     fpt = flops_per_token(cfg, L)
     return {
         "params_M": round(sum(x.size for x in jax.tree.leaves(params)) / 1e6, 2),
+        "trainable_M": round(sum(x.size for x in jax.tree.leaves(trainable)) / 1e6, 3),
+        "lora_rank": args.lora_rank,
+        "opt_state_MiB": round(opt_bytes / 2**20, 2),
         "batch": f"{B}x{L}",
         "grad_accum": args.grad_accum,
         "vocab_chunk": args.vocab_chunk,
@@ -197,15 +214,36 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--pause-ms", type=float, default=0.0, help="sleep after each step, outside the timing")
 
 
+def compare_lora(argv: list[str], rank: int) -> None:
+    """Full fine-tuning and LoRA of `rank` on the same shape, each in a fresh process."""
+    rest = [a for i, a in enumerate(argv) if a != "--lora" and (i == 0 or argv[i - 1] != "--lora")]
+    rest = [a for a in rest if not a.startswith("--lora=")]
+    rows = {}
+    for name, r in (("full", 0), (f"lora r={rank}", rank)):
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), *rest, "--lora-rank", str(r)],
+                             capture_output=True, text=True, check=True).stdout  # fmt: skip
+        rows[name] = json.loads(out[out.index("{") :])
+    keys = ("params_M", "trainable_M", "opt_state_MiB", "max_rss_gib", "step_s_median", "tokens_per_s", "compile_s")
+    print(f"{'':14}" + "".join(f"{k:>16}" for k in keys))
+    for name, row in rows.items():
+        print(f"{name:14}" + "".join(f"{row.get(k, ''):>16}" for k in keys))
+    print(json.dumps(rows, indent=2))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
     ap.add_argument(
         "--peak-only", action="store_true", help="print the matmul peak (FLOP/s) under the current flags and exit"
     )
+    ap.add_argument("--lora", type=int, default=0, help="compare full fine-tuning with LoRA of this rank")
+    ap.add_argument("--lora-rank", type=int, default=0, help=argparse.SUPPRESS)  # one side of --lora
     args = ap.parse_args(argv)
     if args.peak_only:
         print(matmul_peak(args.peak_n))
+        return
+    if args.lora:
+        compare_lora(argv if argv is not None else sys.argv[1:], args.lora)
         return
     tune_xla_cpu(compute_dtype=args.dtype)  # as the CLI does (PTRAIN_XLA_CPU_TUNING=0 turns it off)
     print(json.dumps(dict(bench(args), xla_flags=os.environ.get("XLA_FLAGS", "")), indent=2))

@@ -65,6 +65,18 @@ def test_bench_train_runs_on_a_tiny_shape():
     assert res["tokens_per_s"] > 0 and 0 < res["mfu"] < 1.5
 
 
+def test_bench_train_compares_full_fine_tuning_with_lora():
+    tiny = "--layers 1 --d-model 64 --heads 2 --kv-heads 1 --head-dim 32 --d-ff 128 --vocab 128 --batch 2 --seq 32"
+    args = [*tiny.split(), "--steps", "1", "--warmup", "0", "--peak-n", "256", "--lora", "4"]
+    out = subprocess.run([sys.executable, "tools/bench_train.py", *args], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads(out.stdout[out.stdout.index("\n{") :])
+    full, lora = rows["full"], rows["lora r=4"]
+    assert lora["lora_rank"] == 4 and full["lora_rank"] == 0
+    assert lora["trainable_M"] < full["trainable_M"] / 5 and lora["opt_state_MiB"] < full["opt_state_MiB"] / 5
+    assert lora["tokens_per_s"] > 0 and full["params_M"] == lora["params_M"]
+
+
 def test_bench_dpo_runs_on_a_tiny_shape():
     out = subprocess.run(
         [
