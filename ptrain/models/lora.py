@@ -141,7 +141,9 @@ def adapter_axes(param_axes: PyTree, adapters: dict, spec: LoRASpec) -> dict:
 class LoRAWeight:
     """A frozen weight and its adapter, where the module reads the weight. `w[...]` returns it
     whole, as an nnx.Param's array does. `key` is the dropout key (PRNG key data, one per
-    leading index) or None."""
+    leading index) or None. With `rows` (serving several adapters at once) A and B hold one
+    adapter per slot, [slots, *I, r] and [slots, r, *O], and `rows` [B] names the slot of each
+    batch row."""
 
     base: jax.Array
     a: jax.Array
@@ -150,6 +152,7 @@ class LoRAWeight:
     scale: float = struct.field(pytree_node=False)
     dropout: float = struct.field(pytree_node=False)
     n_in: int = struct.field(pytree_node=False)
+    rows: jax.Array | None = None
 
     def __getitem__(self, index):
         if index is not Ellipsis:
@@ -160,17 +163,29 @@ class LoRAWeight:
         """scale * (dropout(x) A) B for x [..., *I]: shape [..., *O]."""
         ins, rank = self.a.shape[-1 - self.n_in : -1], self.a.shape[-1]
         outs = self.b.shape[self.a.ndim - self.n_in :]  # b is [..., r, *O], a is [..., *I, r]
+        n_i, n_o = math.prod(ins), math.prod(outs)
         lead = x.shape[: x.ndim - self.n_in]
-        x = x.reshape(*lead, math.prod(ins)).astype(dtype)
+        x = x.reshape(*lead, n_i).astype(dtype)
+        if self.rows is not None:
+            # Row b's tokens use slot rows[b]; a call over flattened tokens [B * L, ...] (an MoE's
+            # shared experts) repeats each row's slot over its L tokens.
+            rows = jnp.repeat(self.rows, lead[0] // self.rows.shape[0])
+            a = self.a.reshape(-1, n_i, rank)[rows].astype(dtype)
+            b = self.b.reshape(-1, rank, n_o)[rows].astype(dtype)
+            h = jnp.einsum("bmi,bir->bmr", x.reshape(lead[0], -1, n_i), a)
+            y = jnp.einsum("bmr,bro->bmo", h, b)
+            return (self.scale * y).reshape(*lead, *outs)
         if self.key is not None and self.dropout > 0:
             keep = jax.random.bernoulli(jax.random.wrap_key_data(self.key), 1.0 - self.dropout, x.shape)
             x = jnp.where(keep, x / (1.0 - self.dropout), jnp.zeros((), x.dtype))
-        h = x @ self.a.reshape(math.prod(ins), rank).astype(dtype)
-        y = h @ self.b.reshape(rank, math.prod(outs)).astype(dtype)
+        h = x @ self.a.reshape(n_i, rank).astype(dtype)
+        y = h @ self.b.reshape(rank, n_o).astype(dtype)
         return (self.scale * y).reshape(*lead, *outs)
 
     def merged(self) -> jax.Array:
         """W + scale * A @ B, float32 (or the base's dtype when wider)."""
+        if self.rows is not None:
+            raise ValueError("served adapters apply per row; the routed experts and the output head cannot take them")
         return _merge_one(self.base, self.a, self.b, self.scale, self.n_in)
 
 
@@ -230,6 +245,63 @@ def merge(base: PyTree, adapters: dict, spec: LoRASpec) -> PyTree:
         ad, w = _get(adapters, path), _get(base, path)
         merged_w = _merge_one(w, ad["a"], ad["b"], spec.scale, target_of(path)[1])
         _set(out, path, merged_w.astype(jnp.promote_types(w.dtype, jnp.float32)))
+    return out
+
+
+# ----------------------------------------------------------------------------- serving slots
+
+SERVABLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""Targets an engine serves per request: the routed experts and the output head read their
+weight whole, so their adapters exist only merged (a merged export)."""
+
+
+def empty_slots(params: PyTree, targets: tuple[str, ...], n_slots: int, rank: int) -> dict:
+    """Zero adapters with `n_slots` slots for every weight of `targets`: A [..., slots, *I, r] and
+    B [..., slots, r, *O], the slot axis after the stacked-layer axis. Slot 0 stays zero (the
+    base model)."""
+    out: dict = {}
+    spec = LoRASpec(targets, rank, float(rank))
+    for path, (n_in, n_out) in targeted_paths(params, spec).items():
+        lead, ins, outs = split_shape(tuple(_get(params, path).shape), n_in, n_out)
+        a = jnp.zeros((*lead, n_slots, *ins, rank), jnp.float32)
+        _set(out, path, {"a": a, "b": jnp.zeros((*lead, n_slots, rank, *outs), jnp.float32)})
+    return out
+
+
+def write_slot(slots: dict, slot: int, adapters: dict, spec: LoRASpec) -> dict:
+    """`slots` with slot `slot` holding `adapters` (scale folded into B, rank zero-padded to the
+    slots' rank); weights the adapters do not target get zeros there."""
+    out = jax.tree.map(lambda x: x, slots)
+    paths = {_names(p)[:-1] for p, _ in jax.tree_util.tree_flatten_with_path(slots)[0]}
+    for path in paths:
+        pair = _get(slots, path)
+        lead = pair["a"].ndim - 2 - target_of(path)[1]
+        a = jnp.zeros(pair["a"].shape[:lead] + pair["a"].shape[lead + 1 :], jnp.float32)
+        b = jnp.zeros(pair["b"].shape[:lead] + pair["b"].shape[lead + 1 :], jnp.float32)
+        try:
+            new = _get(adapters, path)
+        except KeyError:
+            new = None
+        if new is not None:
+            r = new["a"].shape[-1]
+            a = a.at[..., :r].set(jnp.asarray(new["a"], jnp.float32))
+            rank_part = (slice(None),) * lead + (slice(0, r),)
+            b = b.at[rank_part].set(spec.scale * jnp.asarray(new["b"], jnp.float32))
+        index = (slice(None),) * lead + (slot,)
+        _set(out, path, {"a": pair["a"].at[index].set(a), "b": pair["b"].at[index].set(b)})
+    return out
+
+
+def attach_slots(base: PyTree, slots: dict, rows: jax.Array) -> PyTree:
+    """The module's param tree for a batch whose row b uses adapter slot rows[b] (0: none)."""
+    out = jax.tree.map(lambda x: x, base)
+    flat = [(_names(p)[:-1]) for p, _ in jax.tree_util.tree_flatten_with_path(slots)[0]]
+    for path in dict.fromkeys(flat):
+        pair, w = _get(slots, path), _get(base, path)
+        _, n_in, n_out = target_of(path)
+        lead = w.shape[: w.ndim - n_in - n_out]
+        r = jnp.broadcast_to(jnp.asarray(rows, jnp.int32), (*lead, rows.shape[0]))  # scanned layers slice it too
+        _set(out, path, LoRAWeight(w, pair["a"], pair["b"], None, 1.0, 0.0, n_in, r))
     return out
 
 

@@ -55,6 +55,14 @@ the old weights). Modes: "drain" (admission pauses, running samples finish on th
 weights, then the swap), "abort" (running samples end with finish_reason abort and their
 partial tokens), "in_place" (swap between two decode calls; running samples continue on
 the new weights, and `Sample.weight_versions` records where the version changed).
+
+LoRA adapters (`max_loras` > 0). The engine keeps `max_loras` adapter slots beside the base
+weights (`ptrain.models.lora.empty_slots`; slot 0 is the base model): `load_lora` writes a PEFT
+folder or trained adapters into a free slot (adapter-sized work; the base is untouched), a
+request names its adapter in `lora_path`, and every prefill and decode call applies each row's
+own slot (x W + (x A_slot) B_slot), so requests for different adapters share decode steps.
+Prefix-cache rows are reused only by requests for the same adapter. The adapted weights are
+served unmerged, so such an engine decodes without the CPU panel-layout weights.
 """
 
 from __future__ import annotations
@@ -77,6 +85,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ptrain.models.generate import base_keys, filters, sample_key, sample_rows, think_end_match
+from ptrain.models.lora import SERVABLE, attach_slots, empty_slots, write_slot
 from ptrain.rollout.protocol import (
     MAX_THINK_END_IDS,
     SWAP_MODES,
@@ -97,6 +106,10 @@ NO_BUDGET = np.iinfo(np.int32).max
 
 class WeightsError(ValueError):
     """New weights that cannot replace the served ones; the old weights keep serving."""
+
+
+class LoRAError(ValueError):
+    """An adapter this engine cannot load or unload; the message names the mismatch and the fix."""
 
 
 class EngineClosed(RuntimeError):
@@ -120,13 +133,14 @@ def _cache_axis(x: jax.Array) -> int:
 
 
 def _extend(model_def, params, model_state, caches, row, tokens_1xM, start, n_valid, targets_1xM, temperature,
-            *, key_len: int, with_logprobs: bool):  # fmt: skip
+            lora=None, *, key_len: int, with_logprobs: bool):  # fmt: skip
     """Prefill tokens [start, start + M) of cache row `row` (only the first n_valid are real).
 
     The row is sliced out, run through `decode_step` with a scalar write index, and written
     back. Returns (caches, log-probs [M] of `targets_1xM` under softmax(logits / T), or None).
+    lora: None, or (adapter slots, the row's slot [1]).
     """
-    model = model_def.bind(params, model_state)
+    model = model_def.bind(params if lora is None else attach_slots(params, *lora), model_state)
     window = model.cfg.sliding_window
     M = tokens_1xM.shape[1]
     row_caches = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, row, 1, axis=_cache_axis(x)), caches)
@@ -161,7 +175,7 @@ def _copy_row(caches, src, dst_N):
 
 
 def _decode(model_def, params, model_state, caches, tok_B, pos_B, t_B, keys_Bx2, temp_B, top_k_B, top_p_B, min_p_B,
-            think=None, *, steps: int, key_len: int, filtering: bool):  # fmt: skip
+            think=None, lora=None, *, steps: int, key_len: int, filtering: bool):  # fmt: skip
     """`steps` decode steps of cache rows [0, B): feed tok_B at slot pos_B, sample the next.
 
     A row with pos_B >= the cache length is idle: it writes nothing and its outputs are
@@ -173,8 +187,10 @@ def _decode(model_def, params, model_state, caches, tok_B, pos_B, t_B, keys_Bx2,
     the end-of-thinking ids (-1 padded) and the row's last M output tokens (-1 padded). A
     row whose output count t has reached its budget and whose reasoning is open takes the
     next end id instead of a draw (module docstring).
+
+    lora: None, or (adapter slots, each row's slot [B]).
     """
-    model = model_def.bind(params, model_state)
+    model = model_def.bind(params if lora is None else attach_slots(params, *lora), model_state)
     window = model.cfg.sliding_window
     s = jnp.arange(key_len, dtype=jnp.int32)
 
@@ -283,6 +299,7 @@ class _Request:
     samples: list[_SampleState] = dataclasses.field(default_factory=list)
     admit_time: float = 0.0
     prompt_logprobs: tuple[float, ...] | None = None
+    lora_slot: int = 0
 
 
 FREE, IDLE, ACTIVE = 0, 1, 2
@@ -305,6 +322,9 @@ class LocalEngine(EngineBase):
     max_prefill_tokens: prompt tokens admitted per loop iteration, so running samples keep
       decoding while a burst of prompts arrives (at least one request is always admitted).
     seed: seeds the per-request sampling seeds of requests without `sampling_seed`.
+    max_loras: LoRA adapters served at once (0: none; module docstring); max_lora_rank: the
+      largest rank one may have; lora_targets: the layers an adapter may adapt (of
+      ptrain.models.lora.SERVABLE).
     """
 
     def __init__(
@@ -322,6 +342,9 @@ class LocalEngine(EngineBase):
         prefill_chunk: int = 512,
         max_prefill_tokens: int = 4096,
         seed: int = 0,
+        max_loras: int = 0,
+        max_lora_rank: int = 16,
+        lora_targets: tuple[str, ...] = SERVABLE,
     ):
         from ptrain.train.state import split_model
 
@@ -361,7 +384,20 @@ class LocalEngine(EngineBase):
         from ptrain.kernels import cpu as cpu_kernels
         from ptrain.models import pack_decode_weights
 
-        packs = mesh is None and cpu_kernels.packing_applies(self._params)
+        if max_loras < 0 or (max_loras and max_lora_rank < 1):
+            raise ValueError(f"max_loras must be >= 0 and max_lora_rank >= 1, got {max_loras}, {max_lora_rank}")
+        unservable = sorted(set(lora_targets) - set(SERVABLE))
+        if unservable:
+            raise ValueError(f"lora_targets {unservable} cannot be served per request; pass targets of {SERVABLE}")
+        self.max_loras, self.max_lora_rank, self.lora_targets = int(max_loras), int(max_lora_rank), tuple(lora_targets)
+        self._lora_slots = None
+        if max_loras:
+            slots = empty_slots(self._params, self.lora_targets, self.max_loras + 1, self.max_lora_rank)
+            rep = device if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            self._lora_slots = jax.device_put(slots, rep)
+        self._lora_names: dict[str, int] = {}  # adapter name -> slot (1 ..)
+        self._lora_info: dict[str, dict] = {}
+        packs = mesh is None and not max_loras and cpu_kernels.packing_applies(self._params)
         self._pack_fn = pack_decode_weights if packs else None
         self._decode_params = self._packed(self._params)
         self._weight_version = str(weight_version)
@@ -399,6 +435,7 @@ class LocalEngine(EngineBase):
         self._budget = np.full(R, NO_BUDGET, np.int32)  # NO_BUDGET: none, or the reasoning has closed
         self._end_ids = np.full((R, MAX_THINK_END_IDS), -1, np.int32)
         self._end_len = np.zeros(R, np.int32)
+        self._row_lora = np.zeros(R, np.int32)  # a row's adapter slot (0: the base), also for its prefix cache
 
         self._lock = threading.Condition()
         self._queue: deque[_Request] = deque()
@@ -472,6 +509,7 @@ class LocalEngine(EngineBase):
             seed=seed,
             stop_ids=frozenset(stop),
             max_new_tokens=min(sp.max_new_tokens, room),
+            lora_slot=self._lora_slot(req.lora_path),
         )
         item.samples = [_SampleState(item, j) for j in range(sp.n)]
         with self._lock:
@@ -552,6 +590,111 @@ class LocalEngine(EngineBase):
         self.model_path = path
         return version
 
+    # ------------------------------------------------------------------ LoRA adapters
+
+    def loras(self) -> dict[str, dict]:
+        """The loaded adapters by name: slot, rank, alpha, targets and the folder (if any)."""
+        with self._lock:
+            return {name: dict(info) for name, info in self._lora_info.items()}
+
+    def load_lora(self, name: str, path: str | None = None, *, adapters=None, spec=None, replace: bool = False) -> int:
+        """Serve adapter `name`: a PEFT folder at `path`, or trained `adapters` (the trainer's
+        pytree) with their `spec` (ptrain.models.lora.LoRASpec). It takes a free slot, or with
+        `replace` the slot of the adapter loaded under that name (the trainer's push: running
+        samples of it continue on the new adapter). Adapter-sized work: the base is untouched.
+        Returns the slot; LoRAError names what does not fit."""
+        from ptrain.models.lora import split_shape, target_of
+
+        if self._lora_slots is None:
+            raise LoRAError("this engine serves no LoRA adapters; start it with max_loras >= 1")
+        if not isinstance(name, str) or not name:
+            raise LoRAError(f"lora_name: pass a non-empty name, got {name!r}")
+        if path is not None:
+            from ptrain.models.peft_io import load_peft
+
+            try:
+                adapters, spec = load_peft(path, self._params, self.cfg)
+            except (ValueError, KeyError, OSError) as e:
+                raise LoRAError(f"{path}: {e}") from None
+        elif adapters is None or spec is None:
+            raise LoRAError("load_lora needs a PEFT folder (path) or adapters with their spec")
+        extra = sorted(set(spec.targets) - set(self.lora_targets))
+        if extra:
+            raise LoRAError(f"adapter {name!r} adapts {extra}, which this engine does not serve (it serves "
+                            f"{list(self.lora_targets)}); start the engine with those lora targets")  # fmt: skip
+        if spec.rank > self.max_lora_rank:
+            raise LoRAError(f"adapter {name!r} has rank {spec.rank}, above this engine's max_lora_rank "
+                            f"{self.max_lora_rank}; start the engine with max_lora_rank >= {spec.rank}")  # fmt: skip
+        for p, leaf in jax.tree_util.tree_flatten_with_path(adapters)[0]:
+            keys = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in p)
+            wpath, side = keys[:-1], keys[-1]
+            t = target_of(wpath) if wpath else None
+            node = self._params
+            try:
+                for k in wpath:
+                    node = node[k]
+            except (KeyError, TypeError):
+                t = None
+            if t is None or side not in ("a", "b"):
+                raise LoRAError(f"adapter {name!r}: {'/'.join(map(str, keys))} is no adaptable weight of this model")
+            lead, ins, outs = split_shape(tuple(node.shape), t[1], t[2])
+            want = (*lead, *ins, spec.rank) if side == "a" else (*lead, spec.rank, *outs)
+            if tuple(leaf.shape) != want:
+                raise LoRAError(f"adapter {name!r}: {'/'.join(map(str, keys))} has shape {list(leaf.shape)}, this "
+                                f"model needs {list(want)} (an adapter for another model size?)")  # fmt: skip
+
+        def load() -> int:
+            with self._lock:
+                slot = self._lora_names.get(name)
+                if slot is not None and not replace:
+                    raise LoRAError(
+                        f"an adapter named {name!r} is already loaded; unload it first or pick another name"
+                    )
+                if slot is None:
+                    used = set(self._lora_names.values())
+                    free = [k for k in range(1, self.max_loras + 1) if k not in used]
+                    if not free:
+                        raise LoRAError(f"all {self.max_loras} adapter slots are in use ({sorted(self._lora_names)}); "
+                                        "unload one first, or start the engine with a larger max_loras")  # fmt: skip
+                    slot = free[0]
+            self._lora_slots = write_slot(self._lora_slots, slot, adapters, spec)
+            self._drop_idle_rows(slot)
+            with self._lock:
+                self._lora_names[name] = slot
+                self._lora_info[name] = dict(slot=slot, rank=spec.rank, alpha=spec.alpha, targets=list(spec.targets),
+                                             path=path)  # fmt: skip
+            return slot
+
+        return self._call(load)
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter `name` and free its slot; refused while requests for it wait or run."""
+
+        def unload() -> None:
+            with self._lock:
+                slot = self._lora_names.get(name)
+                if slot is None:
+                    raise LoRAError(
+                        f"no adapter named {name!r} is loaded (loaded: {sorted(self._lora_names) or 'none'})"
+                    )
+                busy = sum(1 for r in self._queue if r.lora_slot == slot) + int(
+                    np.sum((self._row_state == ACTIVE) & (self._row_lora == slot))
+                )
+                if busy:
+                    raise LoRAError(f"adapter {name!r} has {busy} requests queued or running; unload it when they end")
+                del self._lora_names[name], self._lora_info[name]
+            self._lora_slots = write_slot(self._lora_slots, slot, {}, None)
+            self._drop_idle_rows(slot)
+
+        self._call(unload)
+
+    def _drop_idle_rows(self, slot: int) -> None:
+        """Free the prefix-cache rows computed with adapter `slot` (they hold its old keys)."""
+        for r in range(self.max_running_requests):
+            if self._row_state[r] == IDLE and self._row_lora[r] == slot:
+                self._row_state[r] = FREE
+                self._row_tokens[r] = np.zeros(0, np.int32)
+
     def flush_cache(self) -> bool:
         """Drop every prefix-cache entry; False (nothing dropped) while requests run or wait."""
 
@@ -598,6 +741,9 @@ class LocalEngine(EngineBase):
             "weight_version": self._weight_version,
             "kv_cache_bytes": self.kv_cache_bytes,
             "paused": self._paused,
+            "max_loras": self.max_loras,
+            "max_lora_rank": self.max_lora_rank,
+            "loras": self.loras(),
         }
 
     def close(self) -> None:
@@ -646,9 +792,23 @@ class LocalEngine(EngineBase):
         k = request.return_prompt_logprobs_from
         if k is not None and not 0 <= k < len(ids):
             raise RequestError(f"logprob_start_len={k} must be in [0, prompt length {len(ids)})")
+        if request.lora_path is not None:
+            self._lora_slot(request.lora_path)  # loaded now; admission looks it up again
         if not request.rid:
             request = dataclasses.replace(request, rid=uuid.uuid4().hex)
         return request
+
+    def _lora_slot(self, name: str | None) -> int:
+        if name is None:
+            return 0
+        if self._lora_slots is None:
+            raise RequestError(f"lora_path={name!r}: this engine serves no LoRA adapters; start it with max_loras >= 1")
+        with self._lock:
+            slot = self._lora_names.get(name)
+        if slot is None:
+            raise RequestError(f"lora_path={name!r}: no adapter of that name is loaded (loaded: "
+                               f"{sorted(self._lora_names) or 'none'}); load it first (/load_lora_adapter)")  # fmt: skip
+        return slot
 
     def _checked_params(self, new, old, what: str):
         new_leaves, new_def = jax.tree_util.tree_flatten_with_path(new)
@@ -823,12 +983,13 @@ class LocalEngine(EngineBase):
 
     # ------------------------------------------------------------------ admission and prefill
 
-    def _lcp_row(self, prompt: np.ndarray, limit: int) -> tuple[int, int]:
-        """(row, length) of the row sharing the longest prefix with prompt[:limit]; (-1, 0) if none."""
+    def _lcp_row(self, prompt: np.ndarray, limit: int, lora_slot: int = 0) -> tuple[int, int]:
+        """(row, length) of the row sharing the longest prefix with prompt[:limit] under the same
+        adapter; (-1, 0) if none."""
         best, best_len = -1, 0
         for r in range(self.max_running_requests):
             toks = self._row_tokens[r]
-            if self._row_state[r] == FREE or toks.size == 0:
+            if self._row_state[r] == FREE or toks.size == 0 or self._row_lora[r] != lora_slot:
                 continue
             m = min(limit, toks.size)
             if m <= best_len:
@@ -863,7 +1024,7 @@ class LocalEngine(EngineBase):
             prompt = np.asarray(req.request.input_ids, np.int32)
             L = prompt.size
             want_lp = req.request.return_prompt_logprobs_from is not None
-            src, c = (-1, 0) if want_lp else self._lcp_row(prompt, L - 1)
+            src, c = (-1, 0) if want_lp else self._lcp_row(prompt, L - 1, req.lora_slot)
             if admitted and L - 1 - c > budget:
                 return
             claim_src = src >= 0 and self._row_state[src] == IDLE
@@ -889,6 +1050,7 @@ class LocalEngine(EngineBase):
                 s.spans = [[self._weight_version, 0]]
                 self._row_state[r] = ACTIVE
                 self._row_sample[r] = s
+                self._row_lora[r] = req.lora_slot
                 self._row_tokens[r] = prompt[:-1]
                 self._row_used[r] = time.time()
                 self._tok[r] = prompt[-1]
@@ -934,8 +1096,8 @@ class LocalEngine(EngineBase):
             targets[0, :n_valid] = prompt[pos + 1 : pos + 1 + n_valid]
             self._caches, lp = self._extend_fn(
                 self._model_def, self._params, self._model_state, self._caches, jnp.int32(row), jnp.asarray(tokens),
-                jnp.int32(pos), jnp.int32(n_valid), jnp.asarray(targets), temperature, key_len=key_len,
-                with_logprobs=k is not None,
+                jnp.int32(pos), jnp.int32(n_valid), jnp.asarray(targets), temperature,
+                self._lora_args(np.array([req.lora_slot], np.int32)), key_len=key_len, with_logprobs=k is not None,
             )  # fmt: skip
             if lp is not None:
                 lps.append(np.asarray(lp)[:n_valid])
@@ -954,6 +1116,10 @@ class LocalEngine(EngineBase):
         self._caches = self._copy_fn(self._caches, jnp.int32(src), jnp.asarray(dst))
 
     # ------------------------------------------------------------------ decoding
+
+    def _lora_args(self, rows: np.ndarray) -> tuple | None:
+        """`_extend`/`_decode`'s adapter input: the slots and each row's slot; None without adapters."""
+        return None if self._lora_slots is None else (self._lora_slots, jnp.asarray(rows, jnp.int32))
 
     def _think_arrays(self, active: np.ndarray, B: int) -> tuple | None:
         """`_decode`'s thinking-budget state for rows [0, B), or None when no running sample
@@ -983,7 +1149,8 @@ class LocalEngine(EngineBase):
             self._model_def, self._decode_params, self._model_state, self._caches, jnp.asarray(self._tok[:B]),
             jnp.asarray(self._pos[:B]), jnp.asarray(self._t[:B]), jnp.asarray(self._keys[:B]),
             jnp.asarray(self._temp[:B]), jnp.asarray(self._top_k[:B]), jnp.asarray(self._top_p[:B]),
-            jnp.asarray(self._min_p[:B]), self._think_arrays(active, B), steps=steps, key_len=key_len,
+            jnp.asarray(self._min_p[:B]), self._think_arrays(active, B), self._lora_args(self._row_lora[:B]),
+            steps=steps, key_len=key_len,
             filtering=filters(self._temp[active], self._top_k[active], self._top_p[active], self._min_p[active],
                               self.vocab_size),
         )  # fmt: skip

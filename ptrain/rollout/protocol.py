@@ -274,6 +274,9 @@ class GenerateRequest:
     tokens max(k, 1) .. L-1, each given the tokens before it, under the same tempered softmax
     as the output log-probs (the first token has none). Such a request is prefilled in full
     (no prefix-cache reuse)."""
+    lora_path: str | None = None
+    """The LoRA adapter to sample with, by the name it was loaded under (SGLang's `lora_path`);
+    None: the base model."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "input_ids", tuple(self.input_ids))
