@@ -19,6 +19,7 @@ from ptrain.config.algo import AlgoConfig, validate_rm
 from ptrain.config.choices import one_of
 from ptrain.config.cost import CostConfig
 from ptrain.config.data import DataConfig, validate_data_config
+from ptrain.config.distributed import DistributedConfig
 from ptrain.config.env import EnvConfig, EnvConfigError, validate_env_configs
 from ptrain.config.grpo import validate_eval, validate_grpo
 from ptrain.config.mesh import MeshConfig
@@ -67,6 +68,11 @@ class RunConfig:
     """Isolation and limits of model-written code that environments run (code tests, the
     tool_use python and bash tools, terminal tasks): `sandbox.backend=bwrap`,
     `sandbox.memory_mb=2048`, `sandbox.bwrap_path=/usr/bin/bwrap` (ptrain.config.sandbox)."""
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    """The JAX processes of the run (ptrain.config.distributed): all null is one process,
+    unless PTRAIN_* variables (tools/launch_local.py) or a launcher (a Slurm srun step,
+    mpirun) say otherwise; `distributed.num_processes=2 distributed.process_id=0
+    distributed.coordinator_address=host:port` sets them by hand. docs/scaling.md."""
     stages: list[StageConfig] = field(default_factory=lambda: [StageConfig()])
     """Ordered stages of the recipe; each starts from the previous one's export."""
     recipe: Any | None = None
@@ -142,6 +148,10 @@ def to_run_config(cfg: DictConfig | dict, overrides: Sequence[str] = ()) -> RunC
         raise ConfigError(explain_omegaconf_error(e)) from None
     _check(run.seed >= 0, "seed", f"must be >= 0, got {run.seed}")
     try:
+        run.distributed.resolve()
+    except ValueError as e:  # its messages name the key (or PTRAIN_* variable) and the fix
+        raise ConfigError(str(e)) from None
+    try:
         run.sandbox.validate()
     except ValueError as e:  # its messages open with sandbox.<field>=<value> and say the fix
         raise ConfigError(f"config key '{str(e).split('=')[0].split(' ')[0]}': {e}") from None
@@ -208,6 +218,8 @@ def stage_config(run: RunConfig, stage: StageConfig) -> RunConfig:
     """The RunConfig one stage sees: the top-level nodes with the stage's overrides merged in."""
     base = OmegaConf.structured(run)
     overrides = {k: getattr(stage, k) for k in ("train", "optim", "data", "algo") if getattr(stage, k)}
+    if stage.lora:
+        overrides["model"] = {"lora": stage.lora}
     try:
         merged = OmegaConf.merge(base, overrides)
         out: RunConfig = OmegaConf.to_object(merged)
@@ -220,6 +232,11 @@ def stage_config(run: RunConfig, stage: StageConfig) -> RunConfig:
     if stage.kind == "grpo":
         _grpo_stage_batch(out, f"stage '{stage.name}': ")
     _validate_values(out, where=f"stage '{stage.name}': ")
+    try:
+        processes = run.distributed.resolve().num_processes
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    check_processes(out, processes or 1, where=f"stage '{stage.name}': ")
     _check(
         not (stage.kind == "rm" and out.model.lora.enabled),
         "model.lora.rank",
@@ -234,6 +251,50 @@ def stage_config(run: RunConfig, stage: StageConfig) -> RunConfig:
             f"got format '{out.data.format}'; set data: {{format: {need}}} in the stage"
         )
     return out
+
+
+def check_processes(run: RunConfig, processes: int, where: str = "") -> None:
+    """Refuse, before any compute, what a stage cannot do yet as one of several JAX processes.
+    `run` is a stage's own config; `processes` the job's process count (the config's, or
+    jax.process_count() once JAX is up). What runs and what does not: docs/scaling.md."""
+    if processes <= 1:
+        return
+    stage, t, dpo = run.stage, run.train, run.algo.dpo
+    many = f"with {processes} processes (distributed.num_processes)"
+    if stage.kind in ("grpo", "eval"):
+        # Every process would run its own sampling loop: with rollout=local each its own engine
+        # inside one process, with rollout=sglang each its own requests to the fleet, whose
+        # samples need not agree between processes; the global batch would not be one batch.
+        engine = (
+            "rollout=local samples with the embedded engine, which runs inside one process"
+            if run.rollout.kind == "local"
+            else "each process would send its own requests to the fleet and get other samples"
+        )
+        _check(
+            False,
+            "rollout.kind",
+            f"a {stage.kind} stage does not run {many} yet: {engine}. The multi-process path for sampling "
+            "stages is rollout=sglang (the fleet serves outside the trainer's job) with the rollouts collected "
+            "once and shared by the processes, which is not built yet; run this stage as one process (one host, "
+            "its devices all in the mesh)",
+            where,
+        )
+    if stage.kind == "dpo":
+        for key in ("policy_pairs", "env_pairs"):
+            _check(
+                not getattr(dpo, key),
+                f"algo.dpo.{key}",
+                f"sampling the pairs uses the embedded engine, which runs inside one process; {many} set it to 0 "
+                "(pairs from the data), or build the pairs in a one-process run first",
+                where,
+            )
+    _check(
+        stage.kind not in ("sft", "dpo") or t.eval_generate == 0,
+        "train.eval_generate",
+        f"the exact-match evaluation samples with the embedded engine, which runs inside one process; {many} "
+        "pass train.eval_generate=0 (the held-out loss still runs) and evaluate the export in a one-process run",
+        where,
+    )
 
 
 def _grpo_stage_batch(run: RunConfig, where: str) -> None:

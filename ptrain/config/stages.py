@@ -56,5 +56,8 @@ class StageConfig:
     """Overrides of `data` for this stage only."""
     algo: dict[str, Any] = field(default_factory=dict)
     """Overrides of `algo` for this stage only."""
+    lora: dict[str, Any] = field(default_factory=dict)
+    """Overrides of `model.lora` for this stage only: e.g. {rank: 16} trains adapters in this
+    stage over the previous stage's fully trained export (the other stages train every weight)."""
     envs: list[str] = field(default_factory=list)
     """Names of the run's environments (`envs`) this stage samples; empty: all of them."""
