@@ -26,7 +26,7 @@ TARGET_GROUPS = {
 }
 """Shorthands: `all-linear` is PEFT's (every linear layer but the output head)."""
 
-BASE_DTYPES = ("float32", "bfloat16")
+BASE_DTYPES = ("float32", "bfloat16", "int8")
 
 
 @dataclass
@@ -44,8 +44,10 @@ class LoRAConfig:
     rslora: bool = False
     """Rank-stabilised scaling alpha / sqrt(rank) (Kalajdzievski 2023; PEFT's use_rslora)."""
     base_dtype: str = "float32"
-    """Storage dtype of the frozen base weights: float32 | bfloat16 (half the memory; the
-    adapters and their optimizer state stay float32)."""
+    """Storage of the frozen base weights: float32 | bfloat16 (half the memory) | int8 (the
+    adapted weights as int8 with a float32 scale per output channel, a quarter of their
+    memory, QLoRA's idea; the other weights bfloat16). The adapters and their optimizer state
+    stay float32."""
 
     @property
     def enabled(self) -> bool:

@@ -79,7 +79,7 @@ def target_of(path: tuple) -> tuple[str, int, int] | None:
 def targeted_paths(params: PyTree, spec: LoRASpec) -> dict[tuple, tuple[int, int]]:
     """{path: (input axes, output axes)} of every weight the spec targets, in tree order."""
     out = {}
-    for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
+    for path, _ in jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, Int8Weight))[0]:
         names = _names(path)
         t = target_of(names)
         if t is not None and t[0] in spec.targets:
@@ -134,6 +134,49 @@ def adapter_axes(param_axes: PyTree, adapters: dict, spec: LoRASpec) -> dict:
         _, n_in, n_out = target_of(wpath)
         lead, ins, outs = split_shape(axes, n_in, n_out)
         _set(out, wpath, {"a": (*lead, *ins, None), "b": (*lead, None, *outs)})
+    return out
+
+
+@struct.dataclass
+class Int8Weight:
+    """A frozen weight stored as int8 with one float32 scale per output channel (symmetric
+    absmax: W ~ q * scale), the idea of QLoRA's quantized base (Dettmers et al. 2023) in its
+    simplest form. Read through `astype`, like an array, so the layers need not know."""
+
+    q: jax.Array
+    scale: jax.Array
+    """float32, the weight's shape with every input axis 1."""
+
+    @property
+    def shape(self) -> tuple:
+        return self.q.shape
+
+    @property
+    def ndim(self) -> int:
+        return self.q.ndim
+
+    @property
+    def dtype(self):
+        return jnp.dtype(jnp.float32)
+
+    def astype(self, dtype) -> jax.Array:
+        return (self.q.astype(jnp.float32) * self.scale).astype(dtype)
+
+
+def quantize_int8(w: jax.Array, n_in: int, n_out: int) -> Int8Weight:
+    """Per-output-channel symmetric int8 of a weight [..., *I, *O]: the scale is the largest |w|
+    over the input axes / 127, so every channel keeps its own range."""
+    axes = tuple(range(w.ndim - n_in - n_out, w.ndim - n_out))
+    scale = jnp.max(jnp.abs(w.astype(jnp.float32)), axis=axes, keepdims=True) / 127.0
+    scale = jnp.where(scale > 0, scale, 1.0)
+    return Int8Weight(jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8), scale)
+
+
+def quantize_targets(base: PyTree, spec: LoRASpec) -> PyTree:
+    """`base` with every weight the adapters target held as an Int8Weight (the rest unchanged)."""
+    out = jax.tree.map(lambda x: x, base)
+    for path, (n_in, n_out) in targeted_paths(base, spec).items():
+        _set(out, path, quantize_int8(_get(base, path), n_in, n_out))
     return out
 
 

@@ -179,9 +179,8 @@ def place_state(run: RunConfig, model, tx, mesh, *, with_reference: bool = False
     if run.model.lora.enabled:  # train adapters over the frozen base, which is also the reference
         spec, base, base_sh = LoRASpec.of(run.model.lora), params, param_sh
         if run.model.lora.base_dtype != "float32":
-            dt = jnp.dtype(run.model.lora.base_dtype)
-            cast = lambda t: jax.tree.map(lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x, t)
-            base = jax.jit(cast, out_shardings=base_sh)(base)
+            base = jax.jit(lambda t: frozen_base(t, spec, run.model.lora.base_dtype))(base)
+            base_sh = jax.tree.map(lambda x: x.sharding, base)
         params, param_sh = lora_adapters(run, spec, base, param_axes, mesh)
         with_reference = False
     abstract_opt = jax.eval_shape(tx.init, params)
@@ -210,6 +209,22 @@ def place_state(run: RunConfig, model, tx, mesh, *, with_reference: bool = False
         lora=spec,
     )
     return Placed(model_def, state, shardings, mesh)
+
+
+def frozen_base(base, spec: LoRASpec, base_dtype: str):
+    """The frozen base in model.lora.base_dtype: bfloat16 throughout, or with int8 the adapted
+    weights quantized per output channel and the rest bfloat16."""
+    from ptrain.models.lora import Int8Weight, quantize_targets
+
+    if base_dtype == "int8":
+        base = quantize_targets(base, spec)
+
+    def cast(x):
+        if isinstance(x, Int8Weight) or not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        return x.astype(jnp.bfloat16)
+
+    return jax.tree.map(cast, base, is_leaf=lambda x: isinstance(x, Int8Weight))
 
 
 def lora_adapters(run: RunConfig, spec: LoRASpec, base, param_axes, mesh):

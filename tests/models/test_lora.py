@@ -113,3 +113,26 @@ def test_bad_lora_settings_are_refused_by_key(overrides, match):
 
     with pytest.raises(ConfigError, match=match):
         ptrain.compose("sft_arithmetic", overrides)
+
+
+def test_int8_base_keeps_each_channel_and_takes_a_quarter_of_the_bytes(model):
+    from ptrain.models.lora import Int8Weight, quantize_targets
+    from ptrain.stages.setup import frozen_base
+
+    _, model_def, params, model_state, spec = model
+    q = quantize_targets(params, spec)
+    is_q = lambda x: isinstance(x, Int8Weight)  # noqa: E731
+    quantized = [w for w in jax.tree.leaves(q, is_leaf=is_q) if is_q(w)]
+    assert quantized and all(w.q.dtype == jnp.int8 for w in quantized)
+    for w, orig in zip(
+        quantized, [x for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(q, is_leaf=is_q)) if is_q(y)]
+    ):
+        assert w.q.size == orig.size  # one byte a weight, a float per output channel beside
+        err = np.abs(np.asarray(w.astype(jnp.float32)) - np.asarray(orig))
+        assert np.all(err <= np.asarray(w.scale) / 2 + 1e-7)  # rounding error: half a step of its channel
+    adapters = _perturbed(init_adapters(params, spec, jax.random.key(0)))
+    full = _logits(model_def, attach(params, adapters, spec), model_state)
+    base = frozen_base(params, spec, "int8")
+    low = _logits(model_def, attach(base, adapters, spec), model_state)
+    assert float(jnp.max(jnp.abs(low - full))) < 0.05 * float(jnp.max(jnp.abs(full)))
+    np.testing.assert_allclose(_logits(model_def, merge(base, adapters, spec), model_state), low, atol=2e-3)
