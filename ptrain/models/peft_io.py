@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ptrain.config.lora import LORA_TARGETS
+from ptrain.config.lora import LORA_TARGETS, TARGET_GROUPS
 from ptrain.config.model import ModelConfig
 from ptrain.models.hf import tensor_map
 from ptrain.models.lora import LoRASpec, split_shape, target_of
@@ -104,8 +104,11 @@ def read_peft_spec(path: str) -> LoRASpec:
         raise ValueError(f"{cfg_path}: {', '.join(bad)} set; these adapters hold more than low-rank A and B "
                          "per layer, which ptrain does not load (merge them in PEFT and load the merged model)")  # fmt: skip
     targets = c.get("target_modules") or []
-    if isinstance(targets, str):
-        targets = [targets]
+    if isinstance(targets, str):  # a shorthand, or a regular expression over module names
+        if targets not in TARGET_GROUPS:
+            raise ValueError(f"{cfg_path}: target_modules is the pattern {targets!r}; ptrain reads a list of module "
+                             "names (or all-linear): save the adapter with target_modules as a list")  # fmt: skip
+        targets = list(TARGET_GROUPS[targets])
     names = tuple(t for t in LORA_TARGETS if t in {str(x).rsplit(".", 1)[-1] for x in targets})
     unknown = sorted({str(x).rsplit(".", 1)[-1] for x in targets} - set(LORA_TARGETS))
     if unknown:

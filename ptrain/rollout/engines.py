@@ -15,9 +15,11 @@ from __future__ import annotations
 import os
 
 
-def make_engine(run, model_def, params, model_state, *, mesh, tokenizer, seed: int, stage_dir: str | None = None):
+def make_engine(run, model_def, params, model_state, *, mesh, tokenizer, seed: int, stage_dir: str | None = None,
+                lora=None):  # fmt: skip
     """LocalEngine or FleetEngine for `run.rollout` (RunConfig), over the model
-    `model_def.bind(params, model_state)`; `tokenizer` gives the stop ids."""
+    `model_def.bind(params, model_state)`; `tokenizer` gives the stop ids. `lora` (a LoRASpec):
+    a LocalEngine with one adapter slot of that shape, `params` being the frozen base."""
     from ptrain.data.tokenizer import stop_token_ids
 
     ro = run.rollout
@@ -44,6 +46,7 @@ def make_engine(run, model_def, params, model_state, *, mesh, tokenizer, seed: i
             eos_token_ids=eos,
             decode_steps=ro.decode_steps,
             seed=seed,
+            **({} if lora is None else dict(max_loras=1, max_lora_rank=lora.rank, lora_targets=lora.targets)),
         )
     if ro.kind == "sglang":
         from ptrain.rollout.fleet import FleetEngine

@@ -397,6 +397,7 @@ class LocalEngine(EngineBase):
             self._lora_slots = jax.device_put(slots, rep)
         self._lora_names: dict[str, int] = {}  # adapter name -> slot (1 ..)
         self._lora_info: dict[str, dict] = {}
+        self._default_lora: str | None = None
         packs = mesh is None and not max_loras and cpu_kernels.packing_applies(self._params)
         self._pack_fn = pack_decode_weights if packs else None
         self._decode_params = self._packed(self._params)
@@ -539,6 +540,11 @@ class LocalEngine(EngineBase):
         params = self._checked_params(params, self._params, "params")
         if model_state is not None:
             model_state = self._checked_params(model_state, self._model_state, "model_state")
+        return self._request_swap(lambda: self._install_weights(params, model_state), weight_version, mode)
+
+    def _request_swap(self, install: Callable[[], None], weight_version: str | None, mode: str) -> str:
+        """Run `install` (which puts new weights or adapters in place) as a weight update in
+        `mode`, bumping the weight version; blocks until done and returns the version."""
         version = str(weight_version) if weight_version is not None else str(self._updates + 1)
         done: concurrent.futures.Future = concurrent.futures.Future()
 
@@ -547,10 +553,10 @@ class LocalEngine(EngineBase):
                 self._abort(None, "aborted for a weight update", queued=False)
             # Paused, nothing decodes: a drain would never end, so the swap happens now.
             if mode == "in_place" or self._paused or not any(self._row_state == ACTIVE):
-                self._swap(params, model_state, version)
+                self._swap(install, version)
                 done.set_result(version)
             else:
-                self._pending_swap = (params, model_state, version, done)
+                self._pending_swap = (install, version, done)
 
         self._call(request_swap)
         return done.result()
@@ -603,7 +609,6 @@ class LocalEngine(EngineBase):
         `replace` the slot of the adapter loaded under that name (the trainer's push: running
         samples of it continue on the new adapter). Adapter-sized work: the base is untouched.
         Returns the slot; LoRAError names what does not fit."""
-        from ptrain.models.lora import split_shape, target_of
 
         if self._lora_slots is None:
             raise LoRAError("this engine serves no LoRA adapters; start it with max_loras >= 1")
@@ -615,9 +620,39 @@ class LocalEngine(EngineBase):
             try:
                 adapters, spec = load_peft(path, self._params, self.cfg)
             except (ValueError, KeyError, OSError) as e:
-                raise LoRAError(f"{path}: {e}") from None
+                raise LoRAError(f"adapter {name!r}: {e}") from None  # e names the folder
         elif adapters is None or spec is None:
             raise LoRAError("load_lora needs a PEFT folder (path) or adapters with their spec")
+        self._check_adapters(name, adapters, spec)
+
+        def load() -> int:
+            with self._lock:
+                slot = self._lora_names.get(name)
+                if slot is not None and not replace:
+                    raise LoRAError(
+                        f"an adapter named {name!r} is already loaded; unload it first or pick another name"
+                    )
+                if slot is None:
+                    used = set(self._lora_names.values())
+                    free = [k for k in range(1, self.max_loras + 1) if k not in used]
+                    if not free:
+                        raise LoRAError(f"all {self.max_loras} adapter slots are in use ({sorted(self._lora_names)}); "
+                                        "unload one first, or start the engine with a larger max_loras")  # fmt: skip
+                    slot = free[0]
+            self._lora_slots = write_slot(self._lora_slots, slot, adapters, spec)
+            self._drop_idle_rows(slot)
+            with self._lock:
+                self._lora_names[name] = slot
+                self._lora_info[name] = dict(slot=slot, rank=spec.rank, alpha=spec.alpha, targets=list(spec.targets),
+                                             path=path)  # fmt: skip
+            return slot
+
+        return self._call(load)
+
+    def _check_adapters(self, name: str, adapters, spec) -> None:
+        """LoRAError unless `adapters` (with `spec`) fit this engine's slots and base model."""
+        from ptrain.models.lora import split_shape, target_of
+
         extra = sorted(set(spec.targets) - set(self.lora_targets))
         if extra:
             raise LoRAError(f"adapter {name!r} adapts {extra}, which this engine does not serve (it serves "
@@ -643,29 +678,35 @@ class LocalEngine(EngineBase):
                 raise LoRAError(f"adapter {name!r}: {'/'.join(map(str, keys))} has shape {list(leaf.shape)}, this "
                                 f"model needs {list(want)} (an adapter for another model size?)")  # fmt: skip
 
-        def load() -> int:
-            with self._lock:
-                slot = self._lora_names.get(name)
-                if slot is not None and not replace:
-                    raise LoRAError(
-                        f"an adapter named {name!r} is already loaded; unload it first or pick another name"
-                    )
-                if slot is None:
-                    used = set(self._lora_names.values())
-                    free = [k for k in range(1, self.max_loras + 1) if k not in used]
-                    if not free:
-                        raise LoRAError(f"all {self.max_loras} adapter slots are in use ({sorted(self._lora_names)}); "
-                                        "unload one first, or start the engine with a larger max_loras")  # fmt: skip
-                    slot = free[0]
-            self._lora_slots = write_slot(self._lora_slots, slot, adapters, spec)
-            self._drop_idle_rows(slot)
-            with self._lock:
-                self._lora_names[name] = slot
-                self._lora_info[name] = dict(slot=slot, rank=spec.rank, alpha=spec.alpha, targets=list(spec.targets),
-                                             path=path)  # fmt: skip
-            return slot
+    def update_lora(self, name: str, adapters, spec, *, weight_version: str | None = None, mode: str = "drain") -> str:
+        """The trainer's push of adapter `name` (loaded now if it is not yet): a weight update as
+        `update_weights` makes one (a new weight_version, `mode` drain | abort | in_place), whose
+        work is adapter-sized: the slot's A and B are rewritten and the base is untouched. The
+        adapters are copied, so the caller may donate its arrays afterwards. Returns the version."""
+        if mode not in SWAP_MODES:
+            raise ValueError(f"mode={mode!r}: pass one of {SWAP_MODES}")
+        if name not in self.loras():
+            self.load_lora(name, adapters=adapters, spec=spec)
+        self._check_adapters(name, adapters, spec)
+        adapters = jax.tree.map(lambda x: jnp.array(x, copy=True), adapters)
+        slot = self.loras()[name]["slot"]
 
-        return self._call(load)
+        def install() -> None:
+            self._lora_slots = write_slot(self._lora_slots, slot, adapters, spec)
+
+        return self._request_swap(install, weight_version, mode)
+
+    @property
+    def default_lora(self) -> str | None:
+        """The adapter requests without `lora_path` sample with (None: the base model)."""
+        return self._default_lora
+
+    def set_default_lora(self, name: str | None) -> None:
+        """Requests without `lora_path` sample with adapter `name` (None: the base model), as a
+        trainer's engine serves its policy's adapters."""
+        if name is not None:
+            self._lora_slot(name)  # loaded, or RequestError
+        self._default_lora = name
 
     def unload_lora(self, name: str) -> None:
         """Stop serving adapter `name` and free its slot; refused while requests for it wait or run."""
@@ -799,6 +840,7 @@ class LocalEngine(EngineBase):
         return request
 
     def _lora_slot(self, name: str | None) -> int:
+        name = self._default_lora if name is None else name
         if name is None:
             return 0
         if self._lora_slots is None:
@@ -871,9 +913,9 @@ class LocalEngine(EngineBase):
                     except BaseException as e:  # the caller sees the command's own error
                         future.set_exception(e)
                 if self._pending_swap is not None and not any(self._row_state == ACTIVE):
-                    params, model_state, version, done = self._pending_swap
+                    install, version, done = self._pending_swap
                     self._pending_swap = None
-                    self._swap(params, model_state, version)
+                    self._swap(install, version)
                     done.set_result(version)
                 if self._paused:
                     continue
@@ -895,7 +937,7 @@ class LocalEngine(EngineBase):
         for _, future in commands:
             future.set_exception(EngineClosed(self._closed_message()))
         if self._pending_swap is not None:
-            self._pending_swap[3].set_exception(EngineClosed(self._closed_message()))
+            self._pending_swap[2].set_exception(EngineClosed(self._closed_message()))
             self._pending_swap = None
         message = "engine closed" if self._failure is None else f"engine failed: {self._failure!r}"
         try:
@@ -910,11 +952,14 @@ class LocalEngine(EngineBase):
     def _packed(self, params):
         return params if self._pack_fn is None else self._pack_fn(params)
 
-    def _swap(self, params, model_state, version: str) -> None:
+    def _install_weights(self, params, model_state) -> None:
         self._params = params
         self._decode_params = self._packed(params)
         if model_state is not None:
             self._model_state = model_state
+
+    def _swap(self, install: Callable[[], None], version: str) -> None:
+        install()
         self._weight_version = version
         self._updates += 1
         for r in range(self.max_running_requests):

@@ -20,6 +20,9 @@ Facts this module encodes (SGLang 0.5.23, `srt/managers/io_struct.py` GenerateRe
 - log-prob entries are `[logprob, token_id, text | null]` triples;
 - unknown top-level keys are ignored (SGLang's schema says so); unknown `sampling_params`
   keys are refused (`SamplingParams.from_dict`);
+- `lora_path` names a loaded LoRA adapter (by its name, not a folder): one for every prompt,
+  or a list with one a prompt (null: the base model); with n > 1 each prompt's samples share
+  its adapter;
 - a thinking budget is `max_thinking_tokens` (a non-negative integer) or
   `sampling_params.custom_params.thinking_budget`, which SGLang's tokenizer manager sets from
   it; SGLang enforces either only with --enable-strict-thinking (or its
@@ -52,6 +55,7 @@ IMPLEMENTED_FIELDS: dict[str, Any] = {
     "top_logprobs_num": None,
     "token_ids_logprob": None,
     "max_thinking_tokens": None,
+    "lora_path": None,
 }
 # Fields that route, label, log or partition the cache; they cannot change what is
 # sampled, so they are accepted and have no effect on one engine.
@@ -73,8 +77,9 @@ NO_EFFECT_FIELDS: dict[str, Any] = {
     "external_trace_header": None,
     "kv_hints": None,
 }
-# Fields for features this engine lacks (multimodal input, LoRA, hidden states, PD
-# disaggregation, sessions, ...): refused unless they hold SGLang's default.
+# Fields for features this engine lacks (multimodal input, hidden states, PD disaggregation,
+# sessions, ...), and `lora_id` (SGLang's tokenizer manager fills it in from `lora_path`; a
+# client never sends it): refused unless they hold SGLang's default.
 DEFAULT_ONLY_FIELDS: dict[str, Any] = {
     "input_embeds": None,
     "image_data": None,
@@ -96,7 +101,6 @@ DEFAULT_ONLY_FIELDS: dict[str, Any] = {
     "return_indexer_topk": False,
     "modalities": None,
     "session_params": None,
-    "lora_path": None,
     "lora_id": None,
     "custom_logit_processor": None,
     "positional_embed_overrides": None,
@@ -125,6 +129,7 @@ DEFAULT_ONLY_FIELDS: dict[str, Any] = {
 INSTEAD: dict[str, str] = {
     "custom_logit_processor": "; for a thinking budget send max_thinking_tokens or "
     "sampling_params.custom_params.thinking_budget, which this server enforces without a logit processor",
+    "lora_id": "; it is the id SGLang assigns a loaded adapter internally: name the adapter in lora_path",
 }
 # Sampling keys the server implements itself on top of the engine (detokenisation).
 SERVER_SAMPLING_KEYS: dict[str, Any] = {"skip_special_tokens": True}
@@ -150,6 +155,16 @@ LOAD_FORMATS = (None, "auto", "safetensors")
 PAUSE_FIELDS: dict[str, Any] = {**BASE_REQ_FIELDS, "mode": "abort"}
 PAUSE_MODES = ("abort", "retract", "in_place")
 CONTINUE_FIELDS: dict[str, Any] = {**BASE_REQ_FIELDS, "torch_empty_cache": True}
+# `/load_lora_adapter` and `/unload_lora_adapter` (LoadLoRAAdapterReqInput,
+# UnloadLoRAAdapterReqInput); `lora_id` is assigned by the server, never sent by a client.
+LOAD_LORA_FIELDS: dict[str, Any] = {
+    **BASE_REQ_FIELDS,
+    "lora_name": None,
+    "lora_path": None,
+    "pinned": False,
+    "lora_id": None,
+}
+UNLOAD_LORA_FIELDS: dict[str, Any] = {**BASE_REQ_FIELDS, "lora_name": None, "lora_id": None}
 ABORT_FIELDS: dict[str, Any] = {
     **BASE_REQ_FIELDS,
     "rid": "",
@@ -242,6 +257,28 @@ def _per_prompt(body: dict, key: str, count: int, default: Any, check: Callable[
             raise RequestError(f"{key}: has {len(v)} entries for {count} prompts; give one a prompt or a single value")
         return [default if x is None else check(x, f"{key}[{i}]") for i, x in enumerate(v)]
     return [check(v, key)] * count
+
+
+def lora_paths_of(value: Any, count: int, where: str = "lora_path") -> list[str | None]:
+    """SGLang's `lora_path`: one adapter name for every prompt, or a list with one a prompt
+    (null: the base model) -> one name (or None) a prompt."""
+    if value is None or value == [] or value == "":  # SGLang: no adapter (`if not obj.lora_path`)
+        return [None] * count
+    if isinstance(value, list):
+        if len(value) != count:
+            raise RequestError(f"{where}: has {len(value)} entries for {count} prompts; give one a prompt "
+                               "(null for the base model) or a single adapter name")  # fmt: skip
+        return [_lora_name(x, f"{where}[{i}]") for i, x in enumerate(value)]
+    return [_lora_name(value, where)] * count
+
+
+def _lora_name(x: Any, where: str) -> str | None:
+    if x is None:
+        return None
+    if not isinstance(x, str) or not x:
+        raise RequestError(f"{where}: must be the name of a loaded LoRA adapter (a non-empty string) or null, "
+                           f"got {type_name(x) if not isinstance(x, str) else 'an empty string'}")  # fmt: skip
+    return x
 
 
 def _check_bool(x: Any, where: str) -> bool:
@@ -397,6 +434,7 @@ def parse_generate(body: Any, *, tokenize: Callable[[str], list[int]] | None = N
     return_logprob = _per_prompt(body, "return_logprob", count, False, _check_bool, n)
     start = _per_prompt(body, "logprob_start_len", count, -1, _check_int, n)
     rids = _rids(body, count, single)
+    loras = lora_paths_of(body.get("lora_path"), count)
     requests = []
     for i, (ids, (params, _), k, want) in enumerate(zip(prompts, parsed, start, return_logprob)):
         where = "logprob_start_len" if single else f"logprob_start_len[{i}]"
@@ -410,6 +448,7 @@ def parse_generate(body: Any, *, tokenize: Callable[[str], list[int]] | None = N
                 sampling=params,
                 rid=rids[i],
                 return_prompt_logprobs_from=k if want and k >= 0 else None,
+                lora_path=loras[i],
             )
         )
     known = {**IMPLEMENTED_FIELDS, **NO_EFFECT_FIELDS, **DEFAULT_ONLY_FIELDS}

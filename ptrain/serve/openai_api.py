@@ -23,7 +23,11 @@ unchanged:
   the variable Nemotron 3 Nano's template states the budget with, which is enforced as well
   (it still reaches the template); two of them that disagree are a 400;
 - `stream: true` answers with SSE chunks ending in `data: [DONE]`; `stream_options.include_usage`
-  adds a usage chunk.
+  adds a usage chunk;
+- LoRA: `model` naming a loaded adapter, or SGLang's `<served-model>:<adapter>` (any
+  `<base>:<adapter>`, as SGLang splits it), samples with that adapter; else the request's
+  `lora_path` (an adapter name, or one a prompt) does. Any other `model` is the base model, as
+  it is without LoRA; `/v1/models` lists the adapters with `parent` the served model.
 Errors use SGLang's OpenAI ErrorResponse: `{"object": "error", "message", "type", "param", "code"}`.
 """
 
@@ -72,7 +76,6 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "return_hidden_states": False,
     "return_routed_experts": False,
     "routed_experts_start_len": 0,
-    "lora_path": None,
     "session_params": None,
     "custom_logit_processor": None,
     "watermark": None,
@@ -245,10 +248,46 @@ def _rids(body: dict, prefix: str, count: int) -> tuple[str, list[str]]:
     raise RequestError(f"rid: must be a non-empty string or one a prompt, got {wire.type_name(rid)}")
 
 
+def adapter_of_model(front: Frontend, model: Any) -> str | None:
+    """The LoRA adapter an OpenAI `model` names: a loaded adapter's own name, or the adapter
+    of SGLang's `<base>:<adapter>` (the served name is matched whole first, since it may hold a
+    colon itself); None for the served model and any other name (the base model, as without
+    LoRA). Only a server that serves LoRA reads adapters out of model names."""
+    if not front.lora_enabled or not isinstance(model, str) or model == front.served_model_name:
+        return None
+    if model in front.loaded_adapters():
+        return model
+    if ":" not in model:
+        return None
+    if model.startswith(front.served_model_name + ":"):
+        adapter = model[len(front.served_model_name) + 1 :]
+    else:
+        adapter = model.split(":", 1)[1]
+    return adapter.strip() or None
+
+
+def lora_of(front: Frontend, body: dict, count: int) -> tuple[list[str | None], str]:
+    """(each prompt's adapter, the field that named it): `model`'s adapter first, as SGLang
+    resolves it, else `lora_path`."""
+    adapter = adapter_of_model(front, body.get("model"))
+    if adapter is not None:
+        return [adapter] * count, "model"
+    return wire.lora_paths_of(body.get("lora_path"), count), "lora_path"
+
+
 def _submit(
-    front: Frontend, prompts: list[list[int]], sampling: dict, rids: list[str], *, prompt_logprobs: bool, watch: bool
+    front: Frontend,
+    prompts: list[list[int]],
+    sampling: dict,
+    rids: list[str],
+    *,
+    prompt_logprobs: bool,
+    watch: bool,
+    loras: list[str | None],
+    lora_field: str,
 ) -> Job:
-    """Validate `sampling` (SGLang names) and submit one engine request a prompt."""
+    """Validate `sampling` (SGLang names) and submit one engine request a prompt, request i
+    with adapter loras[i] (None: the base model) named by the request's `lora_field`."""
     try:
         rest, stops, no_trim = parse_stops(sampling, "sampling", front.detok is not None)
         params, server = wire.parse_sampling(rest, "sampling")
@@ -257,9 +296,13 @@ def _submit(
         raise RequestError(message.replace("sampling.", "").replace("sampling: ", "")) from None
     requests = [
         GenerateRequest(
-            input_ids=tuple(ids), sampling=params, rid=rid, return_prompt_logprobs_from=0 if prompt_logprobs else None
+            input_ids=tuple(ids),
+            sampling=params,
+            rid=rid,
+            return_prompt_logprobs_from=0 if prompt_logprobs else None,
+            lora_path=lora,
         )
-        for ids, rid in zip(prompts, rids)
+        for ids, rid, lora in zip(prompts, rids, loras)
     ]
     count = len(requests)
     return front.job(
@@ -268,6 +311,7 @@ def _submit(
         stops=[stops] * count,
         no_stop_trim=[no_trim] * count,
         watch=watch,
+        lora_field=lora_field,
     )
 
 
@@ -287,9 +331,27 @@ def _model_card(front: Frontend) -> dict[str, Any]:
     }
 
 
+def _adapter_cards(front: Frontend) -> list[dict[str, Any]]:
+    """The loaded LoRA adapters as SGLang lists them: id the adapter's name, root its folder,
+    parent the served model, no max_model_len."""
+    return [
+        {
+            "id": name,
+            "object": "model",
+            "created": int(front.started),
+            "owned_by": OWNED_BY,
+            "root": path,
+            "parent": front.served_model_name,
+            "max_model_len": None,
+        }
+        for name, path in front.loaded_adapters().items()
+    ]
+
+
 async def list_models(request: Request) -> Response:
-    """GET /v1/models."""
-    return json_response({"object": "list", "data": [_model_card(_front(request))]})
+    """GET /v1/models: the served model, then the loaded LoRA adapters."""
+    front = _front(request)
+    return json_response({"object": "list", "data": [_model_card(front), *_adapter_cards(front)]})
 
 
 async def get_model(request: Request) -> Response:
@@ -384,7 +446,17 @@ async def completions(request: Request) -> Response:
     model = body.get("model") or front.served_model_name
     sampling = sampling_of(body, front, max_tokens, openai_defaults=OPENAI_DEFAULTS)
     response_id, rids = _rids(body, "cmpl-", len(prompts))
-    job = _submit(front, prompts, sampling, rids, prompt_logprobs=echo and logprobs is not None, watch=stream)
+    loras, lora_field = lora_of(front, body, len(prompts))
+    job = _submit(
+        front,
+        prompts,
+        sampling,
+        rids,
+        prompt_logprobs=echo and logprobs is not None,
+        watch=stream,
+        loras=loras,
+        lora_field=lora_field,
+    )
     n = job.requests[0].sampling.n
     echo_texts = None
     if echo:
@@ -718,7 +790,10 @@ async def chat_completions(request: Request) -> Response:
     model = body.get("model") or front.served_model_name
     sampling = sampling_of(body, front, max_tokens, openai_defaults=OPENAI_DEFAULTS, chat=True)
     rid = _rids(body, "chatcmpl-", 1)[0]
-    job = _submit(front, [prompt], sampling, [rid], prompt_logprobs=False, watch=stream)
+    loras, lora_field = lora_of(front, body, 1)
+    job = _submit(
+        front, [prompt], sampling, [rid], prompt_logprobs=False, watch=stream, loras=loras, lora_field=lora_field
+    )
     parse_tools = tools is not None and front.effective_tool_call_parser() is not None
     created = int(time.time())
 

@@ -6,7 +6,8 @@
 It speaks SGLang 0.5.23's native API (`shared/reference/sglang_api.md`): `/generate` (single,
 batch, n, log-prob triples, SSE streaming), `/health`, `/health_generate`, `/model_info`,
 `/server_info`, `/flush_cache`, `/v1/loads`, `/update_weights_from_disk`, `/pause_generation`,
-`/continue_generation`, `/abort_request`; and the OpenAI-compatible `/v1/models`,
+`/continue_generation`, `/abort_request`, `/load_lora_adapter`, `/unload_lora_adapter`; and the
+OpenAI-compatible `/v1/models`,
 `/v1/completions`, `/v1/chat/completions` (`ptrain.serve.openai_api`). The request and
 response translation lives in `ptrain.rollout.sglang_wire`.
 
@@ -28,6 +29,15 @@ Thinking budget. A request's budget (`/generate`: SGLang's `max_thinking_tokens`
 tokenizer's encoding of `</think>` once the budget is spent (`ptrain.rollout.local`). The
 server fills those ids in from its tokenizer, and drops the budget of a prompt that already
 ends in `</think>` (a reasoning-off template's `<think></think>`: nothing left to force).
+
+LoRA adapters (an engine with max_loras > 0: `--enable-lora` or `--lora-paths`). A request
+names its adapter by the name it was loaded under: `/generate`'s `lora_path` (one for every
+prompt, or one a prompt), the OpenAI routes' `lora_path` or `model` (a loaded adapter's name,
+or SGLang's `<served-model>:<adapter>`). `/load_lora_adapter` and `/unload_lora_adapter` answer
+SGLang's LoRAUpdateOutput `{success, error_message, loaded_adapters}`, 400 when they fail (an
+adapter that does not fit names the mismatch). As in SGLang, an unload waits for the requests
+already using the adapter and refuses new ones meanwhile. Adapters here are never evicted, so
+`pinned` is accepted and changes nothing.
 
 Shutdown. SIGTERM stops accepting connections, `/health` turns 503, requests in flight finish
 (up to `--graceful-shutdown-timeout` seconds), then the engine closes and the process exits 0.
@@ -74,6 +84,27 @@ DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"
 SERVER_STOP_KEYS = ("stop", "no_stop_trim")
 """Sampling keys this server implements on top of the engine (see parse_stops)."""
+DEFAULT_MAX_LORAS_PER_BATCH = 8
+"""What SGLang's /server_info reports for --max-loras-per-batch when LoRA is off."""
+LORA_NOT_ENABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
+"""SGLang's answer to an adapter load or unload on a server without LoRA."""
+LORA_ID_REFUSED = (
+    "lora_id: SGLang assigns it to a loaded adapter internally; leave it out and name the adapter in lora_name"
+)
+# The engine's LoRAError texts name its constructor arguments; over HTTP the fix is a flag.
+ENGINE_TO_FLAGS = (
+    ("start the engine with max_loras >= 1", "start the server with --enable-lora"),
+    ("start the engine with a larger max_loras", "start the server with a larger --max-loras-per-batch"),
+    ("start the engine with max_lora_rank >=", "start the server with --max-lora-rank >="),
+    ("start the engine with those lora targets", "start the server with those --lora-target-modules"),
+)
+
+
+def with_flag_names(message: str) -> str:
+    """An engine LoRA message with the server's flags in place of the engine's arguments."""
+    for engine_words, flag_words in ENGINE_TO_FLAGS:
+        message = message.replace(engine_words, flag_words)
+    return message
 
 
 class HTTPError(Exception):
@@ -244,7 +275,7 @@ class Job:
         try:
             for i, request in enumerate(self.requests):
                 future = self.front.engine.submit(request, on_update=self._updater(i))
-                self.front.track(request.rid, future)
+                self.front.track(request.rid, future, request.lora_path)
                 future.add_done_callback(self._wake)
                 self.futures.append(future)
         except RequestError:
@@ -469,6 +500,11 @@ class Frontend:
         self.paused = False
         self.update_lock = asyncio.Lock()
         self.started = time.time()
+        self.lora_enabled = bool(getattr(engine, "max_loras", 0))
+        self.lora_lock = asyncio.Lock()  # one adapter load or unload at a time
+        self.unloading: set[str] = set()
+        self._lora_users: dict[str, int] = {}  # adapter -> requests in flight (engine thread decrements)
+        self._lora_users_lock = threading.Lock()
 
     @property
     def context_length(self) -> int:
@@ -481,15 +517,52 @@ class Frontend:
     def tokenize(self) -> Callable[[str], list[int]] | None:
         return None if self.detok is None else self.detok.encode
 
-    def track(self, rid: str, future: concurrent.futures.Future) -> None:
-        """Remember a request in flight (for prefix aborts) until its future resolves."""
+    def track(self, rid: str, future: concurrent.futures.Future, lora: str | None = None) -> None:
+        """Remember a request in flight (for prefix aborts, and for an unload of its adapter to
+        wait on) until its future resolves."""
         self.inflight[rid] = future
+        if lora is not None:
+            with self._lora_users_lock:
+                self._lora_users[lora] = self._lora_users.get(lora, 0) + 1
 
         def forget(f: concurrent.futures.Future) -> None:
             if self.inflight.get(rid) is f:
                 self.inflight.pop(rid, None)
+            if lora is not None:
+                with self._lora_users_lock:
+                    self._lora_users[lora] -= 1
 
         future.add_done_callback(forget)
+
+    def lora_users(self, name: str) -> int:
+        """Requests in flight that sample with adapter `name`."""
+        with self._lora_users_lock:
+            return self._lora_users.get(name, 0)
+
+    def loaded_adapters(self) -> dict[str, str]:
+        """SGLang's `loaded_adapters`: {adapter name: its folder}."""
+        if not self.lora_enabled:
+            return {}
+        return {name: info.get("path") or "" for name, info in self.engine.loras().items()}
+
+    def check_lora(self, name: str | None, field: str) -> None:
+        """RequestError unless `name` is None (the base model) or an adapter being served;
+        `field` is the request field that named it."""
+        if name is None:
+            return
+        if not self.lora_enabled:
+            raise RequestError(
+                f"{field}: LoRA adapter {name!r} was requested, but this server serves no LoRA adapters; start "
+                "it with --enable-lora (or --lora-paths) and load the adapter"
+            )
+        if name in self.unloading:
+            raise RequestError(f"{field}: LoRA adapter {name!r} is being unloaded; load it again to use it")
+        loaded = self.loaded_adapters()
+        if name not in loaded:
+            raise RequestError(
+                f"{field}: no LoRA adapter named {name!r} is loaded (loaded: {sorted(loaded) or 'none'}); load it "
+                "with /load_lora_adapter (or start the server with --lora-paths)"
+            )
 
     def abort(self, rid: str | None) -> int:
         """Abort `rid` (SGLang matches request ids by prefix, so a batch's `rid` reaches its
@@ -512,8 +585,12 @@ class Frontend:
         stops: Sequence[tuple[str, ...]] = (),
         no_stop_trim: Sequence[bool] = (),
         watch: bool = False,
+        lora_field: str = "lora_path",
     ) -> Job:
-        """Submit `requests` (RequestError before anything runs) and return their Job."""
+        """Submit `requests` (RequestError before anything runs) and return their Job.
+        `lora_field`: the request field that named the requests' adapter, for errors."""
+        for name in dict.fromkeys(r.lora_path for r in requests):
+            self.check_lora(name, lora_field)
         job = Job(
             self,
             tuple(self.with_thinking(r) for r in requests),
@@ -615,8 +692,15 @@ class Frontend:
         info = self.engine.info()
         load = self.load()
         max_running = int(info.get("max_running_requests", self.engine.max_running_requests))
+        lora = self.lora_enabled
         return {
             **self.server_args,
+            # SGLang's LoRA server args, as resolved: what the engine serves
+            "enable_lora": lora,
+            "max_loras_per_batch": int(self.engine.max_loras) if lora else DEFAULT_MAX_LORAS_PER_BATCH,
+            "max_lora_rank": int(self.engine.max_lora_rank) if lora else None,
+            "lora_target_modules": list(self.engine.lora_targets) if lora else None,
+            "lora_paths": self.server_args.get("lora_paths") if lora else None,
             "model_path": self.model_path,
             "served_model_name": self.served_model_name,
             "tokenizer_path": self.tokenizer_path or "",
@@ -905,6 +989,88 @@ async def continue_generation(request: Request) -> Response:
     return json_response({"message": "Generation continued successfully.", "status": "ok"})
 
 
+def lora_update(front: Frontend, success: bool, error_message: str = "", loaded: bool = True) -> Response:
+    """SGLang's LoRAUpdateOutput body: 200 on success, else 400. `loaded`: list the adapters
+    (SGLang leaves them out, null, when LoRA is off)."""
+    body = {
+        "success": success,
+        "error_message": error_message,
+        "loaded_adapters": front.loaded_adapters() if loaded else None,
+    }
+    return json_response(body, 200 if success else 400)
+
+
+def _lora_name_of(body: dict) -> str:
+    name = body["lora_name"]
+    if not isinstance(name, str) or not name:
+        raise RequestError(
+            f"lora_name: required, the adapter's name (requests name it in lora_path), got {wire.type_name(name)}"
+        )
+    if body["lora_id"] is not None:
+        raise RequestError(LORA_ID_REFUSED)
+    return name
+
+
+async def load_lora_adapter(request: Request) -> Response:
+    """POST /load_lora_adapter {"lora_name", "lora_path", "pinned"}: serve the PEFT folder at
+    lora_path under lora_name. An adapter that does not fit (another model size, a rank above
+    --max-lora-rank, targets outside --lora-target-modules, no such folder, no free slot) is a
+    400 naming the mismatch; the adapters already loaded keep serving."""
+    front = _front(request)
+    body = _control_body(
+        await read_optional_json(request, front.max_request_bytes), "load_lora_adapter", wire.LOAD_LORA_FIELDS
+    )
+    name, path = _lora_name_of(body), body["lora_path"]
+    if not isinstance(path, str) or not path:
+        raise RequestError(f"lora_path: required, the adapter's PEFT folder, got {wire.type_name(path)}")
+    if not isinstance(body["pinned"], bool):
+        raise RequestError(f"pinned: must be true or false, got {wire.type_name(body['pinned'])}")
+    if not front.lora_enabled:
+        return lora_update(front, False, LORA_NOT_ENABLED, loaded=False)
+    from ptrain.rollout.local import LoRAError
+
+    async with front.lora_lock:
+        if name in front.unloading:
+            return lora_update(front, False, f"LoRA adapter {name!r} is being unloaded; load it again afterwards")
+        try:
+            await asyncio.to_thread(front.engine.load_lora, name, path)
+        except LoRAError as e:
+            log.warning("load_lora_adapter %s from %s failed: %s", name, path, e)
+            return lora_update(front, False, with_flag_names(str(e)))
+    log.info("loaded LoRA adapter %s from %s", name, path)
+    return lora_update(front, True)
+
+
+async def unload_lora_adapter(request: Request) -> Response:
+    """POST /unload_lora_adapter {"lora_name"}: stop serving the adapter and free its slot.
+    As SGLang does, new requests for it are refused at once and the unload waits for the
+    requests already using it to finish."""
+    front = _front(request)
+    body = _control_body(
+        await read_optional_json(request, front.max_request_bytes), "unload_lora_adapter", wire.UNLOAD_LORA_FIELDS
+    )
+    name = _lora_name_of(body)
+    if not front.lora_enabled:
+        return lora_update(front, False, LORA_NOT_ENABLED, loaded=False)
+    from ptrain.rollout.local import LoRAError
+
+    async with front.lora_lock:
+        if name not in front.loaded_adapters():
+            loaded = sorted(front.loaded_adapters()) or "none"
+            return lora_update(front, False, f"no LoRA adapter named {name!r} is loaded (loaded: {loaded})")
+        front.unloading.add(name)
+        try:
+            while front.lora_users(name):
+                await asyncio.sleep(0.02)
+            await asyncio.to_thread(front.engine.unload_lora, name)
+        except LoRAError as e:
+            return lora_update(front, False, with_flag_names(str(e)))
+        finally:
+            front.unloading.discard(name)
+    log.info("unloaded LoRA adapter %s", name)
+    return lora_update(front, True)
+
+
 async def abort_request(request: Request) -> Response:
     """POST /abort_request {"rid": ..., "abort_all": false}: aborted requests answer with
     finish_reason abort and their partial tokens."""
@@ -970,6 +1136,8 @@ def make_app(
         Route("/pause_generation", pause_generation, methods=["POST"]),
         Route("/continue_generation", continue_generation, methods=["POST"]),
         Route("/abort_request", abort_request, methods=["POST"]),
+        Route("/load_lora_adapter", load_lora_adapter, methods=["POST"]),
+        Route("/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
         *openai_routes(),
     ]
 
@@ -1060,8 +1228,12 @@ def serve(args) -> int:
         engine_kw["max_running_requests"] = args.max_running_requests
     if args.context_length is not None:
         engine_kw["context_length"] = args.context_length
+    lora_refs = getattr(args, "lora_refs", [])
+    if getattr(args, "enable_lora", False):  # resolved by cli.check_lora
+        engine_kw.update(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, lora_targets=args.lora_targets)
     log.info("loading %s (tp_size %d, %s)", args.model_path, args.tp_size, args.dtype)
     engine = LocalEngine.from_hf(args.model_path, dtype=args.dtype, tp_size=args.tp_size, **engine_kw)
+    load_startup_adapters(engine, lora_refs)
     import jax
 
     server_args = {
@@ -1076,6 +1248,7 @@ def serve(args) -> int:
         "max_request_bytes": args.max_request_bytes,
         "graceful_shutdown_timeout": args.graceful_shutdown_timeout,
         "accelerator": jax.devices()[0].device_kind,
+        "lora_paths": lora_refs or None,
     }
     app = make_app(
         engine,
@@ -1138,6 +1311,20 @@ def serve(args) -> int:
         return 1
     log.info("server stopped")
     return 0
+
+
+def load_startup_adapters(engine, refs: Sequence[dict]) -> None:
+    """Load the --lora-paths adapters; one that does not fit closes the engine and raises
+    ValueError naming it (the process exits 1 with the message)."""
+    from ptrain.rollout.local import LoRAError
+
+    for ref in refs:
+        try:
+            engine.load_lora(ref["lora_name"], ref["lora_path"])
+        except LoRAError as e:
+            engine.close()
+            raise ValueError(f"--lora-paths {ref['lora_name']}: {with_flag_names(str(e))}") from None
+        log.info("loaded LoRA adapter %s from %s", ref["lora_name"], ref["lora_path"])
 
 
 class Stopped(Exception):

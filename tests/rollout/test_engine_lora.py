@@ -46,7 +46,7 @@ def _greedy(engine, prompt, lora=None, n_new=8):
 
 
 def _merged_engine(model, params, adapters, spec):
-    m = nnx.merge(nnx.graphdef(model), nnx.state(model))
+    m = Decoder(CFG, rngs=nnx.Rngs(0))  # a module of its own: updating it must not touch `model`
     state = nnx.state(m, nnx.Param)
     nnx.replace_by_pure_dict(state, merge(params, adapters, spec))
     nnx.update(m, state)
@@ -123,3 +123,28 @@ def test_adapters_that_do_not_fit_are_refused(setup, tmp_path):
             plain.load_lora("a", adapters=ad_a, spec=spec_a)
     finally:
         plain.close()
+
+
+def test_the_trainers_push_is_a_weight_update_of_the_adapter_alone(setup):
+    """update_lora: a new weight version, the default adapter serves requests without lora_path."""
+    model, params, _, (ad_a, spec_a), _ = setup
+    eng = LocalEngine(model, max_running_requests=4, context_length=64, decode_steps=4, max_loras=1, max_lora_rank=4)
+    try:
+        zero = jax.tree.map(np.zeros_like, ad_a)
+        assert eng.update_lora("policy", zero, spec_a, weight_version="0", mode="abort") == "0"
+        eng.set_default_lora("policy")
+        base = _greedy(eng, PROMPTS[2]).result()[0]
+        assert eng.update_lora("policy", ad_a, spec_a, weight_version="1") == "1"
+        pushed = _greedy(eng, PROMPTS[2]).result()[0]
+        explicit = _greedy(eng, PROMPTS[2], "policy").result()[0]
+        assert pushed.weight_version == "1" and list(pushed.output_ids) == list(explicit.output_ids)
+        assert list(pushed.output_ids) != list(base.output_ids)
+        ref = _merged_engine(model, params, ad_a, spec_a)
+        try:
+            np.testing.assert_allclose(pushed.logprobs, _greedy(ref, PROMPTS[2]).result()[0].logprobs, atol=2e-5)
+        finally:
+            ref.close()
+        with pytest.raises(LoRAError, match="rank 8"):
+            eng.update_lora("policy", ad_a, LoRASpec(spec_a.targets, 8, 8.0))
+    finally:
+        eng.close()

@@ -4,15 +4,27 @@ one message before any model loads."""
 from __future__ import annotations
 
 import ast
+import dataclasses
+import json
 import os
 import socket
 import subprocess
 import sys
 
+import jax
 import pytest
+from flax import nnx
 
+from ptrain.config.lora import LoRAConfig
 from ptrain.data.tokenizer import get_tokenizer
+from ptrain.models import Decoder, load_hf
+from ptrain.models.lora import LoRASpec, init_adapters
+from ptrain.models.peft_io import save_peft
+from ptrain.rollout.local import LocalEngine
 from ptrain.serve import build_parser
+from ptrain.serve.cli import check_args
+from ptrain.serve.server import load_startup_adapters
+from ptrain.train.state import split_model
 from tests.rollout import sglang_schema as schema
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -141,3 +153,78 @@ def test_a_server_whose_engine_thread_fails_exits_1_naming_the_failure(served_mo
     )
     assert out.returncode == 1, out.stderr[-3000:]
     assert "ptrain.serve: error: the engine thread failed: RuntimeError('injected')" in out.stderr, out.stderr[-3000:]
+
+
+# ---- LoRA flags: resolved as SGLang resolves them, bad combinations end at start ----
+
+
+def _peft_config(folder, rank: int, targets) -> str:
+    """An adapter folder's config (all the flag checks read; the weights load with the model)."""
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets)})
+    )
+    return str(folder)
+
+
+def _resolve(model_dir: str, *argv: str):
+    p = build_parser()
+    args = p.parse_args(["--model-path", model_dir, "--port", "0", *argv])
+    check_args(p, args)
+    return args
+
+
+def test_lora_flags_resolve_as_sglangs(served_model_dir, tmp_path):
+    a = _peft_config(tmp_path / "a", 4, ["q_proj", "v_proj"])
+    b = _peft_config(tmp_path / "b", 2, ["model.layers.0.mlp.down_proj"])  # PEFT's dotted names too
+    args = _resolve(served_model_dir, "--lora-paths", a, f'{{"lora_name": "b", "lora_path": "{b}", "pinned": true}}')
+    assert args.enable_lora and args.max_loras == 8 and args.max_lora_rank == 4
+    assert args.lora_targets == ("q_proj", "v_proj", "down_proj")
+    assert [(r["lora_name"], r["lora_path"], r["pinned"]) for r in args.lora_refs] == [(a, a, False), ("b", b, True)]
+    args = _resolve(served_model_dir, "--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "all-linear")
+    assert args.lora_refs == [] and len(args.lora_targets) == 7 and args.max_lora_rank == 8
+    args = _resolve(
+        served_model_dir, "--lora-paths", f"x={a}", "--lora-target-modules", "qkv_proj", "--max-loras-per-batch", "1"
+    )
+    assert args.lora_targets == ("q_proj", "k_proj", "v_proj") and args.max_loras == 1
+    assert not _resolve(served_model_dir).enable_lora
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--enable-lora"], "needs both --max-lora-rank and --lora-target-modules"),
+        (["--max-lora-rank", "8"], "--max-lora-rank: LoRA serving is off; add --enable-lora"),
+        (["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "lm_head"],
+         "--lora-target-modules lm_head: this server applies adapters per request to the attention and MLP"),
+        (["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "all", "q_proj"], "'all' must be the only"),
+        (["--enable-lora", "--max-lora-rank", "0", "--lora-target-modules", "all"], "--max-lora-rank: must be >= 1"),
+        (["--lora-paths", "{a}", "--max-loras-per-batch", "0"], "--max-loras-per-batch: must be >= 1"),
+        (["--lora-paths", "/no/such"], "--lora-paths /no/such: /no/such: no adapter_config.json"),
+        (["--lora-paths", "x={a}", "x={a}"], "the adapter name(s) ['x'] are given more than once"),
+        (["--lora-paths", "x={a}", "y={a}", "--max-loras-per-batch", "1"], "2 adapters, but --max-loras-per-batch is 1"),
+        (["--lora-paths", "x={a}", "--max-lora-rank", "2"], "--lora-paths x: the adapter has rank 4, above --max-lora-rank 2"),
+        (["--lora-paths", "x={a}", "--lora-target-modules", "q_proj"], "adapts ['v_proj'], not in --lora-target-modules"),
+        (["--lora-paths", '{"lora_name": "x"}'], 'a JSON entry needs "lora_name" and "lora_path"'),
+        (["--lora-paths", "x={head}"], "the adapters adapt ['lm_head'], which this server cannot apply per request"),
+    ],
+)  # fmt: skip
+def test_lora_flag_mistakes_exit_2_with_one_message(argv, message, served_model_dir, tmp_path, capsys):
+    subs = {"{a}": _peft_config(tmp_path / "a", 4, ["q_proj", "v_proj"]),
+            "{head}": _peft_config(tmp_path / "head", 4, ["lm_head"])}  # fmt: skip
+    for key, value in subs.items():
+        argv = [a.replace(key, value) for a in argv]
+    with pytest.raises(SystemExit) as e:
+        _resolve(served_model_dir, *argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_startup_adapter_for_another_model_stops_the_server_naming_it(served_model_dir, tmp_path):
+    model = load_hf(served_model_dir)
+    other = Decoder(dataclasses.replace(model.cfg, d_model=48), rngs=nnx.Rngs(0))
+    spec = LoRASpec.of(LoRAConfig(rank=2, alpha=4.0, targets=["q_proj"]))
+    save_peft(init_adapters(split_model(other)[1], spec, jax.random.key(0)), spec, other.cfg, str(tmp_path / "x"))
+    engine = LocalEngine(model, max_running_requests=2, context_length=32, max_loras=1, max_lora_rank=4)
+    with pytest.raises(ValueError, match=r"--lora-paths x: adapter 'x': .*this model needs"):
+        load_startup_adapters(engine, [{"lora_name": "x", "lora_path": str(tmp_path / "x")}])
+    assert engine._closed

@@ -19,7 +19,7 @@ from ptrain.models.safetensors_io import SafetensorsFile, save_file
 from ptrain.rollout.local import LocalEngine
 from ptrain.rollout.protocol import FinishReason, GenerateRequest, Sample, SamplingParams
 from ptrain.serve.openai_api import parse_tool_calls
-from ptrain.serve.server import Detokenizer, cut_at_stop, held_back, load_tokenizer, make_app
+from ptrain.serve.server import LORA_NOT_ENABLED, Detokenizer, cut_at_stop, held_back, load_tokenizer, make_app
 from tests.rollout import sglang_schema as schema
 from tests.rollout.conftest import CONTEXT, MAX_RUNNING
 
@@ -623,3 +623,20 @@ def test_stop_cut_and_held_back_text(tokenizer):
     assert len(cut.logprobs) == len(cut.output_ids) and cut.finish_reason == FinishReason("stop")
     assert cut_at_stop(sample, ["zzz"], detok) is None
     assert held_back("hello </to", ["</tool>"]) == 4 and held_back("hello", ["xyz"]) == 0
+
+
+def test_lora_on_a_server_without_it_says_how_to_turn_it_on(client):
+    r = client.post("/load_lora_adapter", json={"lora_name": "a", "lora_path": "/no/such"})
+    assert r.status_code == 400
+    assert r.json() == {"success": False, "error_message": LORA_NOT_ENABLED, "loaded_adapters": None}
+    assert client.post("/unload_lora_adapter", json={"lora_name": "a"}).json()["error_message"] == LORA_NOT_ENABLED
+    r = generate(client, {"input_ids": PROMPTS[0], "sampling_params": GREEDY, "lora_path": "a"}, 400)
+    assert "lora_path: LoRA adapter 'a' was requested, but this server serves no LoRA adapters; start it with " \
+        "--enable-lora" in schema.check_error(r.json())  # fmt: skip
+    body = {"prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0, "lora_path": "a"}
+    assert "--enable-lora" in client.post("/v1/completions", json=body).json()["message"]
+    # without LoRA a model name is only a label, `<base>:<adapter>` included (as before)
+    body = {"prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0, "model": "tiny:a"}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    info = client.get("/server_info").json()
+    assert info["enable_lora"] is False and info["lora_paths"] is None

@@ -105,6 +105,8 @@ def test_sampling_keys_are_sglangs():
     "cls, ours",
     [
         ("UpdateWeightFromDiskReqInput", wire.UPDATE_WEIGHTS_FIELDS),
+        ("LoadLoRAAdapterReqInput", wire.LOAD_LORA_FIELDS),
+        ("UnloadLoRAAdapterReqInput", wire.UNLOAD_LORA_FIELDS),
         ("PauseGenerationReqInput", wire.PAUSE_FIELDS),
         ("ContinueGenerationReqInput", wire.CONTINUE_FIELDS),
         ("AbortReq", wire.ABORT_FIELDS),
@@ -118,7 +120,20 @@ def test_control_bodies_have_sglangs_fields_and_defaults(cls, ours):
     if cls == "AbortReq":
         assert theirs["rid"] is None  # AbortReq.__post_init__ turns it into ""
         theirs["rid"] = ""
+    for key in ("lora_name", "lora_path"):
+        if cls.endswith("LoRAAdapterReqInput") and key in theirs:
+            assert theirs[key] is ...  # required there; the server answers 400 without it
+            theirs[key] = None
     assert ours == theirs
+
+
+def test_lora_path_is_one_adapter_a_prompt():
+    body = {"input_ids": [[1], [2], [3]], "sampling_params": {"n": 2}, "lora_path": [None, "a", "b"]}
+    schema.check_generate_request(body)
+    assert [r.lora_path for r in wire.parse_generate(body).requests] == [None, "a", "b"]
+    assert [r.lora_path for r in wire.parse_generate({**body, "lora_path": "a"}).requests] == ["a"] * 3
+    assert wire.parse_generate({"input_ids": [1], "lora_path": "a"}).requests[0].lora_path == "a"
+    assert wire.parse_generate({"input_ids": [1], "lora_path": []}).requests[0].lora_path is None
 
 
 # ---- request parsing ----
@@ -183,7 +198,12 @@ def test_text_prompts_tokenise_and_logprob_settings_are_per_prompt():
         ({"input_ids": [[1], [2]], "rid": ["a"]}, "rid: has 1 ids for 2 prompts"),
         ({"input_ids": [[1], [2]], "rid": ["a", "a"]}, "duplicate request ids"),
         ({"input_ids": [1], "image_data": "cat.png"}, "image_data: this server does not implement it"),
-        ({"input_ids": [1], "lora_path": "adapter"}, "lora_path"),
+        (
+            {"input_ids": [1], "lora_id": "abc"},
+            "lora_id: this server does not implement it.*name the adapter in lora_path",
+        ),
+        ({"input_ids": [[1], [2]], "lora_path": ["a"]}, "lora_path: has 1 entries for 2 prompts"),
+        ({"input_ids": [[1], [2]], "lora_path": ["a", 3]}, r"lora_path\[1\]: must be the name of a loaded LoRA"),
         ({"input_ids": [1], "top_logprobs_num": 5}, "top_logprobs_num: top-k"),
         ({"text": "a"}, "no tokenizer"),
         ([{"input_ids": [1]}], "must be a JSON object"),

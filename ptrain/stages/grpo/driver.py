@@ -111,12 +111,21 @@ class RolloutBatches:
     def begin(self, step: int, state: TrainState) -> None:
         """Before the first step (fresh or resumed): bring the engine to these weights."""
         self.state, self.version = state, step
-        self.engine.update_weights(
-            state.merged_params(), state.model_state or None, weight_version=str(step), mode="abort"
-        )
+        self._push(state, step, "abort")
         self.collector.set_version(step)
         if self.cfg.mode == "async":
             self.collector.start()
+
+    def _push(self, state: TrainState, step: int, mode: str) -> None:
+        """Bring the engine to `state`'s policy: its adapters alone into the engine's policy slot
+        when the engine serves them (adapter-sized), else the whole (merged) weights."""
+        version = str(step)
+        if getattr(self.engine, "default_lora", None) == POLICY_ADAPTER:  # a LocalEngine serving the adapters
+            self.engine.update_lora(POLICY_ADAPTER, state.params, state.lora, weight_version=version, mode=mode)
+        else:
+            self.engine.update_weights(
+                state.merged_params(), state.model_state or None, weight_version=version, mode=mode
+            )
 
     def __iter__(self):
         return self
@@ -141,9 +150,7 @@ class RolloutBatches:
             mode = "drain"
             if self.queue:  # more optimizer steps on this rollout batch before the next sampling
                 return
-        self.engine.update_weights(
-            state.merged_params(), state.model_state or None, weight_version=str(step), mode=mode
-        )
+        self._push(state, step, mode)
         self.collector.set_version(step)
         self.step_metrics[-1] = dict(self.step_metrics[-1], **{"time/weight_sync_s": time.time() - t0})
 
@@ -358,7 +365,6 @@ def run_grpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
     from ptrain.envs.curriculum import Curriculum
     from ptrain.envs.mixture import EnvMixture
     from ptrain.envs.registry import close_envs, make_env
-    from ptrain.rollout.engines import make_engine
     from ptrain.stages.env_metrics import env_evaluator
 
     t_start = time.time()
@@ -377,8 +383,7 @@ def run_grpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
                            width=cfg.pass_rate_width, target_end=cfg.pass_rate_target_end,
                            schedule_draws=max(run.train.steps * cfg.prompts_per_step, 1), seed=seed)  # fmt: skip
     placed = stage.placed
-    engine = make_engine(run, placed.model_def, placed.state.merged_params(), placed.state.model_state, mesh=placed.mesh,
-                         tokenizer=tokenizer, seed=seed, stage_dir=stage_dir)  # fmt: skip
+    engine = policy_engine(run, placed, tokenizer=tokenizer, seed=seed, stage_dir=stage_dir)
     # SGLang's sampling_params object from the config's SamplingConfig group (n is the collector's).
     sampling = SamplingParams.from_dict(cfg.sampling_params())
     audit = AuditLog(os.path.join(stage_dir, "audit.jsonl"))
@@ -405,3 +410,32 @@ def run_grpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
         engine.close()
         close_envs(envs)
         audit.close()
+
+
+POLICY_ADAPTER = "policy"
+"""The adapter slot a LoRA stage's engine serves its policy from."""
+
+
+def policy_engine(run, placed, *, tokenizer, seed: int, stage_dir: str):
+    """The stage's rollout engine. A LoRA stage sampling in process serves its adapters over
+    the frozen base from an adapter slot (every sync then moves only the adapters); otherwise,
+    and for adapters the engine cannot apply per request (routed experts, the output head, an
+    int8 base), the engine holds the merged weights and every sync moves them whole."""
+    from ptrain.models.lora import SERVABLE
+    from ptrain.rollout.engines import make_engine
+
+    state = placed.state
+    spec = state.lora
+    by_slot = (
+        spec is not None
+        and run.rollout.kind == "local"
+        and set(spec.targets) <= set(SERVABLE)
+        and run.model.lora.base_dtype != "int8"
+    )
+    params = state.base_params if by_slot else state.merged_params()
+    engine = make_engine(run, placed.model_def, params, state.model_state, mesh=placed.mesh, tokenizer=tokenizer,
+                         seed=seed, stage_dir=stage_dir, lora=spec if by_slot else None)  # fmt: skip
+    if by_slot:
+        engine.load_lora(POLICY_ADAPTER, adapters=state.params, spec=spec)
+        engine.set_default_lora(POLICY_ADAPTER)
+    return engine
