@@ -1,4 +1,5 @@
-"""The same SFT steps on one device and on a 2 x 2 x 2 (data, fsdp, tensor) mesh of 8 host devices."""
+"""The same SFT steps (full and LoRA) on one device and on a 2 x 2 x 2 (data, fsdp, tensor) mesh of 8
+host devices."""
 
 import json
 import os
@@ -30,6 +31,13 @@ def test_eight_host_devices_match_one_device():
     # the params really are spread: some over fsdp, some over tensor
     assert any("fsdp" in s for s in specs.values()), specs
     assert any("tensor" in s for s in specs.values()), specs
+    # LoRA on the same mesh: the same losses, adapters sharded by the axes of their weights
+    np.testing.assert_allclose(got["lora_one_device"], got["lora_data2_fsdp2_tensor2"], rtol=2e-5)
+    assert got["lora_one_device"][-1] < got["lora_one_device"][0]
+    lora = got["lora_placements"]
+    assert all(k.endswith(("/a", "/b")) for k in lora), lora  # the trainable state is the adapters alone
+    assert any("fsdp" in s for k, s in lora.items() if k.endswith("/a")), lora  # A keeps the input axis
+    assert any("tensor" in s for k, s in lora.items() if k.endswith("/b")), lora  # B keeps the output axis
 
 
 class FakeMesh:
