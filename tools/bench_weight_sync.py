@@ -13,8 +13,12 @@ For each model (randomly initialised from a config: `tiny` is the embedded defau
           the same folder (which does not fsync either), for comparison;
   push    every worker's /update_weights_from_disk of the export at once (the worker reads
           the folder, checks it and swaps), and verify: each worker's /model_info version.
+  lora    with --lora R: the adapter push of a LoRA stage on the same model (rank-R adapters of
+          every layer a worker serves per request): `weight_sync.export_adapters` (a PEFT
+          folder) and every worker's /load_lora_adapter of it, beside the full export and push
+          above: bytes, seconds and their ratios.
 Workers are `python -m ptrain.serve` subprocesses started on the first export (no tokenizer,
-no warm-up: a push needs no compiled program). The last lines project the same path to
+no warm-up: a push needs no compiled program; with --lora, LoRA enabled). The last lines project the same path to
 Qwen3-30B-A3B (30.5B parameters, 61 GB in bf16) from the measured rates. --json writes every
 figure, the CPU model and the weight folder's file system.
 """
@@ -88,7 +92,9 @@ def export_bytes(cfg, dtype: str) -> int:
     return sum(math.prod(m.hf_shape) for m in tensor_map(cfg)) * (2 if dtype == "bfloat16" else 4)
 
 
-def start_workers(folder: str, count: int, log_dir: str) -> tuple[list[subprocess.Popen], list[str]]:
+def start_workers(
+    folder: str, count: int, log_dir: str, lora_rank: int = 0
+) -> tuple[list[subprocess.Popen], list[str]]:
     import socket
 
     procs, urls = [], []
@@ -99,6 +105,8 @@ def start_workers(folder: str, count: int, log_dir: str) -> tuple[list[subproces
         cmd = [sys.executable, "-m", "ptrain.serve", "--model-path", folder, "--port", str(port),
                "--skip-tokenizer-init", "--skip-server-warmup", "--max-running-requests", "1",
                "--context-length", "64"]  # fmt: skip
+        if lora_rank:
+            cmd += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--lora-target-modules", "all"]
         with open(os.path.join(log_dir, f"worker-{i}.log"), "w") as log:
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
         urls.append(f"http://127.0.0.1:{port}")
@@ -125,6 +133,46 @@ async def push(urls: list[str], folder: str, version: str):
         t0 = time.perf_counter()
         outcomes = await push_to_workers(client, urls, folder, version, mode="drain", timeout_s=1800, retries=0)
         return time.perf_counter() - t0, outcomes
+
+
+async def push_lora(urls: list[str], name: str, folder: str):
+    """Every worker's /load_lora_adapter of `folder` at once (timed), then its unload (not timed)."""
+    from ptrain.rollout.weight_sync import load_lora_on_worker, unload_lora_on_worker
+
+    async with httpx.AsyncClient() as client:
+        t0 = time.perf_counter()
+        outcomes = await asyncio.gather(*(load_lora_on_worker(client, u, name, folder, timeout_s=1800, retries=0)
+                                          for u in urls))  # fmt: skip
+        wall = time.perf_counter() - t0
+        await asyncio.gather(*(unload_lora_on_worker(client, u, name) for u in urls))
+        return wall, outcomes
+
+
+def bench_lora(cfg, params, root: str, urls: list[str], args) -> list[dict]:
+    """--repeat rounds of the adapter export and push (module docstring)."""
+    import jax
+
+    from ptrain.config.lora import LoRAConfig
+    from ptrain.models.lora import SERVABLE, LoRASpec, init_adapters
+    from ptrain.rollout.weight_sync import export_adapters
+
+    spec = LoRASpec.of(LoRAConfig(rank=args.lora, alpha=2.0 * args.lora, targets=list(SERVABLE)))
+    adapters = init_adapters(params, spec, jax.random.key(0))
+    rows = []
+    for k in range(1, args.repeat + 1):
+        res = export_adapters(adapters, spec, cfg, root, str(k))
+        row = {"lora_bytes": res.bytes, "lora_export_s": res.seconds}
+        if urls:
+            wall, outcomes = asyncio.run(push_lora(urls, f"bench-v{k}", res.path))
+            bad = [o for o in outcomes if not o.ok]
+            if bad:
+                raise SystemExit(f"adapter push failed: {[(o.url, o.error) for o in bad]}")
+            row["lora_push_wall_s"] = wall
+        rows.append(row)
+        print(f"  lora {k}: rank {args.lora}, {res.bytes / 1e6:.3f} MB  export {res.seconds:.3f} s"
+              + (f"  push to {len(urls)} worker(s) {row['lora_push_wall_s']:.3f} s" if urls else ""),
+              flush=True)  # fmt: skip
+    return rows
 
 
 def bench_model(name: str, args) -> dict:
@@ -181,7 +229,7 @@ def bench_model(name: str, args) -> dict:
                   f"save_hf {save_hf_s:.2f} s", flush=True)  # fmt: skip
         if args.workers:
             first = export_weights(cfg, params, model_state, root, "0", dtype=args.dtype, writers=args.writers)
-            procs, urls = start_workers(first.path, args.workers, root)
+            procs, urls = start_workers(first.path, args.workers, root, lora_rank=args.lora)
             for k, (res, row) in enumerate(zip(exports, rounds), 1):
                 wall, outcomes = asyncio.run(push(urls, res.path, res.version))
                 bad = [o for o in outcomes if not o.ok]
@@ -191,6 +239,9 @@ def bench_model(name: str, args) -> dict:
                            verify_s=max(o.verify_s for o in outcomes))  # fmt: skip
                 print(f"  push {k} to {len(urls)} worker(s): {wall:.2f} s (load {row['update_s']:.2f} s, "
                       f"verify {row['verify_s']:.3f} s)", flush=True)  # fmt: skip
+        if args.lora:
+            for row, lora_row in zip(rounds, bench_lora(cfg, params, root, urls, args)):
+                row.update(lora_row)
     finally:
         for p in procs:
             p.terminate()
@@ -207,6 +258,19 @@ def bench_model(name: str, args) -> dict:
     return summary
 
 
+def lora_line(r: dict, rank: int) -> None:
+    """Print the adapter push beside the full one and add the ratios to `r`: bytes, and
+    seconds of export plus push (export alone without workers)."""
+    full_s = r["export_s"] + (r.get("push_wall_s") or 0.0)
+    lora_s = r["lora_export_s"] + (r.get("lora_push_wall_s") or 0.0)
+    r["lora_bytes_ratio"] = r["lora_bytes"] / r["bytes"]
+    r["lora_seconds_ratio"] = lora_s / full_s
+    what = "export + push" if r.get("lora_push_wall_s") is not None else "export"
+    print(f"        LoRA rank {rank} adapter push: {r['lora_bytes'] / 1e6:.3f} MB vs full {r['bytes'] / 1e6:.3f} MB "
+          f"(ratio {r['lora_bytes_ratio']:.4f}); {what} {lora_s:.3f} s vs full {full_s:.3f} s "
+          f"(ratio {r['lora_seconds_ratio']:.3f})")  # fmt: skip
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python tools/bench_weight_sync.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="tiny,0.5b", help=f"comma-separated, from {sorted(MODELS)}")
@@ -215,8 +279,12 @@ def main(argv=None) -> int:
     p.add_argument("--writers", type=int, default=2, help="shard files written at once (rollout.export_writers)")
     p.add_argument("--workers", type=int, default=1, help="ptrain.serve workers to push to at once (0: export only)")
     p.add_argument("--repeat", type=int, default=3, help="timed rounds per model (median reported)")
+    p.add_argument("--lora", type=int, default=0, metavar="R",
+                   help="also time the adapter push of rank-R adapters on the same model (0: none)")  # fmt: skip
     p.add_argument("--json", default=None, help="also write every figure to this file")
     args = p.parse_args(argv)
+    if args.lora < 0:
+        p.error(f"--lora must be a rank >= 1 (or 0: no adapter push), got {args.lora}")
     os.makedirs(args.weight_dir, exist_ok=True)
     names = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in names if m not in MODELS]
@@ -236,6 +304,8 @@ def main(argv=None) -> int:
         if r.get("push_wall_s") is not None:
             line += f"; push to {r['workers']} {r['push_wall_s']:.2f} s (verify {r['verify_s']:.3f} s)"
         print(line)
+        if r.get("lora_bytes"):
+            lora_line(r, args.lora)
     big = results.get("0.5b") or next(iter(results.values()))
     nbytes = QWEN3_30B_A3B_PARAMS * (2 if args.dtype == "bfloat16" else 4)
     projection = {"bytes": nbytes, "export_s": nbytes / 1e9 / big["export_gbps"]}

@@ -16,7 +16,9 @@ stderr (the trainer takes it out of service); one that exits during start-up sto
 with its log's last lines (exit 1).
 
 Trainer and workers must see the same weight folder (rollout.weight_dir): on one machine,
-the stage folder, or /dev/shm/<name> for the fastest pushes.
+the stage folder, or /dev/shm/<name> for the fastest pushes. For a LoRA stage, which pushes
+its adapters alone, start the workers on the stage's base model with
+`--enable-lora --max-lora-rank R --lora-target-modules ...` (passed on to every worker).
 """
 
 from __future__ import annotations
@@ -56,10 +58,36 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: SGLang where it runs, else ptrain.serve")  # fmt: skip
     p.add_argument("--worker-args", default="", help="more flags for every worker, e.g. '--tp-size 2'")
     p.add_argument("--router-args", default="", help="more flags for the router")
+    lora = p.add_argument_group("LoRA (passed on to every worker: a LoRA stage pushes its adapters alone)")
+    lora.add_argument("--enable-lora", action="store_true", help="the workers serve LoRA adapters")
+    lora.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank (the stage's lora.rank)")
+    lora.add_argument("--lora-target-modules", nargs="+", default=None,
+                      help="layers adapters may adapt (the stage's lora.targets, or all)")  # fmt: skip
+    lora.add_argument("--max-loras-per-batch", type=int, default=None,
+                      help="adapters loaded at once (a push holds two versions while the old one drains)")  # fmt: skip
     p.add_argument("--log-dir", default=None, help="where each process logs (default: a new temporary folder)")
     p.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds to wait for health (default 1800)")
     p.add_argument("--stop-timeout", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL on stop")
     return p
+
+
+def worker_lora_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The LoRA flags for every worker (SGLang's and ptrain.serve's names); a LoRA flag without
+    --enable-lora is a mistake (the workers would ignore or refuse it)."""
+    given = [f for f, v in (("--max-lora-rank", args.max_lora_rank), ("--lora-target-modules", args.lora_target_modules),
+                            ("--max-loras-per-batch", args.max_loras_per_batch)) if v is not None]  # fmt: skip
+    if not args.enable_lora:
+        if given:
+            p.error(f"{', '.join(given)} without --enable-lora: pass --enable-lora too")
+        return []
+    if args.max_lora_rank is None or args.lora_target_modules is None:
+        p.error("--enable-lora needs --max-lora-rank and --lora-target-modules (the stage's lora.rank and "
+                "lora.targets), which adapters loaded later must fit")  # fmt: skip
+    out = ["--enable-lora", "--max-lora-rank", str(args.max_lora_rank), "--lora-target-modules",
+           *args.lora_target_modules]  # fmt: skip
+    if args.max_loras_per_batch is not None:
+        out += ["--max-loras-per-batch", str(args.max_loras_per_batch)]
+    return out
 
 
 def check_ports(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -156,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--model-path {args.model_path}: no config.json; pass a Hugging Face model folder")
     if args.workers < 1:
         p.error(f"--workers must be >= 1, got {args.workers}")
+    lora_args = worker_lora_args(p, args)
     check_ports(p, args)
     for flag, text in (("--worker-args", args.worker_args), ("--router-args", args.router_args)):
         try:
@@ -185,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.workers):
             port = args.base_port + i
             cmd = [sys.executable, "-m", module, "--model-path", args.model_path, "--host", args.host,
-                   "--port", str(port), *shlex.split(args.worker_args)]  # fmt: skip
+                   "--port", str(port), *lora_args, *shlex.split(args.worker_args)]  # fmt: skip
             fleet.start(f"worker-{i}", cmd)
             urls.append(f"http://{args.host}:{port}")
         wait_healthy(fleet, urls, args.startup_timeout, stopping)

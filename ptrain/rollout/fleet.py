@@ -15,8 +15,9 @@ workers, router, the weight version they must serve, the loop):
 - `fleet_health.FleetHealth`: /health_generate polls, taking a worker out of service (and out
   of the router), probing it with backoff, bringing it to the current weights before it
   serves again; FleetUnavailable once no worker has served for `unhealthy_timeout_s`.
-- `fleet_push.FleetPush` (`update_weights`): exporting a weight version and loading it on
-  every worker in service (`weight_sync` has the export and the per-worker push).
+- `fleet_push.FleetPush` (`update_weights`, `update_lora`): exporting a weight version (or a
+  LoRA adapter version) and loading it on every worker in service (`weight_sync` has the
+  export and the per-worker push).
 Each module's docstring explains its part.
 """
 
@@ -127,6 +128,30 @@ class FleetEngine(EngineBase):
         """Export `params` and load them on every worker in service (FleetPush.update_weights)."""
         return self._push.update_weights(params, model_state, weight_version=weight_version, mode=mode)
 
+    def update_lora(self, name: str, adapters, spec, *, weight_version: str | None = None,
+                    mode: str = "drain") -> str:  # fmt: skip
+        """Push LoRA adapters alone: a weight update whose payload is `adapters` (LoRASpec
+        `spec`), served as adapter `name` (FleetPush.update_lora; LocalEngine.update_lora)."""
+        return self._push.update_lora(name, adapters, spec, weight_version=weight_version, mode=mode)
+
+    @property
+    def default_lora(self) -> str | None:
+        """The adapter requests without `lora_path` sample with (None: the base model)."""
+        return self._state.default_lora
+
+    def set_default_lora(self, name: str | None) -> None:
+        """Requests without `lora_path` sample with adapter `name` (None: the base model): an
+        adapter pushed with update_lora (its current version; it may be pushed later, as the
+        GRPO stage does before its first step), or one the workers were started with."""
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ValueError(f"name: pass an adapter's name or None, got {name!r}")
+        self._state.default_lora = name
+
+    def loras(self) -> dict[str, dict[str, str]]:
+        """The adapters pushed with update_lora: name -> the current version, the name the
+        workers serve it under, and its folder."""
+        return {n: {"version": v.version, "served": v.served, "path": v.folder} for n, v in self._state.loras.items()}
+
     def load(self) -> dict[str, int]:
         """Requests on the workers ("running") and waiting for a worker ("queued")."""
         return self._dispatch.load()
@@ -141,6 +166,8 @@ class FleetEngine(EngineBase):
             "router_error": s.router.error if s.router else None,
             "weight_version": s.weight_version,
             "weight_dir": self.weight_dir,
+            "loras": self.loras(),
+            "default_lora": s.default_lora,
             "workers": [
                 {
                     "url": w.url,

@@ -11,6 +11,9 @@ and SGLang both give the log-prob under the tempered full-vocabulary softmax, th
 number; SGLang reports one log-prob a token, so `sampling_logprobs` equals `logprobs`),
 `finish_reason`, `weight_version`, cached tokens. A request without `sampling_seed` gets one
 from this engine's seeded generator, so a re-issued request samples what the first would have.
+A request's `lora_path` (else the engine's default adapter) goes as SGLang's `lora_path`; an
+adapter the fleet pushed (`update_lora`) is named by its current version's name on the workers,
+and its samples report that adapter version as their weight_version.
 The model's end-of-sequence ids (`eos_token_ids`) join each request's stop_token_ids unless it
 sets ignore_eos, as LocalEngine stops on them. A thinking budget also goes as the top-level
 `max_thinking_tokens`, which SGLang enforces (with --enable-strict-thinking) or refuses, where
@@ -78,6 +81,10 @@ class Call:
     answers: list[str] = dataclasses.field(default_factory=list)
     aborted: str | None = None
     task: asyncio.Task | None = None
+    lora: str | None = None
+    """The adapter name the current attempt went out with (a pushed adapter's versioned name)."""
+    lora_version: str | None = None
+    """That adapter's fleet version, when it is one the fleet pushed (its samples report it)."""
 
     @property
     def rid(self) -> str:
@@ -211,6 +218,16 @@ class FleetDispatch:
                     raise s.unavailable
                 await s.cond.wait()
 
+    def _resolve_lora(self, call: Call) -> None:
+        """The adapter this attempt samples with: the request's lora_path, else the default; a
+        name the fleet pushed (update_lora) goes out as its current version's served name,
+        resolved per attempt so a re-issued request uses the version current then."""
+        s = self.state
+        name = call.request.lora_path if call.request.lora_path is not None else s.default_lora
+        current = s.loras.get(name) if name is not None else None
+        call.lora = current.served if current is not None else name
+        call.lora_version = current.version if current is not None else None
+
     def _body(self, call: Call) -> dict[str, Any]:
         body = {
             "input_ids": list(call.request.input_ids),
@@ -222,6 +239,8 @@ class FleetDispatch:
             body["logprob_start_len"] = call.request.return_prompt_logprobs_from
         if call.sampling.thinking_budget is not None:
             body["max_thinking_tokens"] = call.sampling.thinking_budget
+        if call.lora is not None:
+            body["lora_path"] = call.lora
         return body
 
     def _samples(self, call: Call, answer: Any) -> list[Sample]:
@@ -232,6 +251,12 @@ class FleetDispatch:
         out = []
         for j, item in enumerate(items):
             s = wire.sample_from_item(item, call.request.input_ids, index=j)
+            if call.lora_version is not None:
+                # The worker reports its base weights' version; the policy is the adapter's,
+                # which cannot change during a request.
+                v = call.lora_version
+                spans = tuple(dataclasses.replace(w, version=v) for w in s.weight_versions)
+                s = dataclasses.replace(s, weight_version=v, weight_versions=spans)
             out.append(dataclasses.replace(s, rid=call.rid, e2e_latency_s=time.time() - call.submit_time))
         return out
 
@@ -278,6 +303,10 @@ class FleetDispatch:
             call.wire_rid = f"{call.rid}#{call.attempt}"
             call.tried.add(target.url)
             blame = True
+            self._resolve_lora(call)
+            lora = call.lora
+            if lora is not None:  # an adapter version is unloaded only once none of these is left
+                s.lora_inflight[lora] = s.lora_inflight.get(lora, 0) + 1
             try:
                 r = await asyncio.wait_for(
                     s.client.post(target.url + "/generate", json=self._body(call)), timeout_s + 5
@@ -303,6 +332,10 @@ class FleetDispatch:
             finally:
                 target.outstanding -= 1
                 call.target = None
+                if lora is not None:
+                    s.lora_inflight[lora] -= 1
+                    if not s.lora_inflight[lora]:
+                        del s.lora_inflight[lora]
                 await s.notify()
             call.answers.append(f"{target.url}: {failure}")
             if call.aborted:

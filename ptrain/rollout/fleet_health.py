@@ -9,7 +9,8 @@ that answers it with an error, leaves it unanswered twice in a row (a worker com
 program for a new shape can stall one probe), or fails a request, is taken out (and, with
 `manage_router_workers`, removed from the router), then probed with exponential backoff from `probe_backoff_s` to
 `probe_backoff_max_s`. A worker that answers again is brought to the current weight version
-(an update from the current export folder, checked in /model_info) before it serves again.
+(an update from the current export folder, checked in /model_info) and loads the current
+version of every pushed adapter (`FleetPush.update_lora`) before it serves again.
 When no worker has been in service for `unhealthy_timeout_s`, waiting requests fail with
 FleetUnavailable, which names every URL and its last answer, and so does `submit` until a worker
 is back.
@@ -27,7 +28,7 @@ import os
 import time
 
 from ptrain.rollout.fleet_state import FleetState, FleetUnavailable, Worker
-from ptrain.rollout.weight_sync import answer_text, describe_error, push_to_worker, worker_version
+from ptrain.rollout.weight_sync import answer_text, describe_error, push_lora_to_worker, push_to_worker, worker_version
 
 log = logging.getLogger(__name__)
 
@@ -144,19 +145,30 @@ class FleetHealth:
             except Exception as e:  # noqa: BLE001 - any failure keeps the worker out
                 return False, f"GET /model_info: {e}"
             target = s.target
-            if target is None or version == target[0]:
-                w.version = version
-                return True, "ok"
-            if not os.path.isdir(target[1]):
-                return False, f"serves {version!r}; the current version's folder {target[1]} is gone"
-            log.info("%s serves weight version %r; bringing it to %r", w.url, version, target[0])
-            out = await push_to_worker(
-                s.control, w.url, target[1], target[0], mode="abort", timeout_s=s.settings.weight_push_timeout_s,
-                retries=0, backoff_s=s.settings.probe_backoff_s,
-            )  # fmt: skip
-            if not out.ok:
-                return False, f"weight update to {target[0]!r}: {out.error}"
-            w.version = target[0]
+            if target is not None and version != target[0]:
+                if not os.path.isdir(target[1]):
+                    return False, f"serves {version!r}; the current version's folder {target[1]} is gone"
+                log.info("%s serves weight version %r; bringing it to %r", w.url, version, target[0])
+                out = await push_to_worker(
+                    s.control, w.url, target[1], target[0], mode="abort", timeout_s=s.settings.weight_push_timeout_s,
+                    retries=0, backoff_s=s.settings.probe_backoff_s,
+                )  # fmt: skip
+                if not out.ok:
+                    return False, f"weight update to {target[0]!r}: {out.error}"
+                version = target[0]
+            w.version = version
+            # The adapters pushed since: a restarted worker has none, one that was only out of
+            # service may lack the newest and still hold older ones (push_lora_to_worker drops them).
+            for lora in list(s.loras.values()):
+                if not os.path.isdir(lora.folder):
+                    return False, f"the current adapter version's folder {lora.folder} is gone"
+                out = await push_lora_to_worker(
+                    s.control, w.url, lora.name, lora.served, lora.folder, keep=[lora.served], reload=False,
+                    timeout_s=s.settings.weight_push_timeout_s, retries=0, backoff_s=s.settings.probe_backoff_s,
+                )  # fmt: skip
+                if not out.ok:
+                    return False, f"adapter update to {lora.served!r}: {out.error}"
+                w.version = lora.version
             return True, "ok"
 
     async def _put_in_service(self, w: Worker) -> None:

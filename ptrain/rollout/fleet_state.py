@@ -77,6 +77,17 @@ class FleetSettings:
             raise ValueError(f"weight_push_mode={self.weight_push_mode!r}: pass stage, drain, abort or pause")
 
 
+@dataclasses.dataclass(frozen=True)
+class LoRAVersion:
+    """The version of a pushed adapter the workers serve: requests naming `name` (or none, when
+    it is the default) go out as `served`, the name its folder was loaded under on every worker."""
+
+    name: str
+    served: str
+    version: str
+    folder: str
+
+
 @dataclasses.dataclass(eq=False)
 class Worker:
     """One SGLang server (or the router) as the client sees it."""
@@ -95,7 +106,9 @@ class Worker:
 
 class FleetState:
     """The shared record (module docstring). `target` is the (version, folder) every worker must
-    serve before it serves requests; `no_service_since` the time the last worker left service
+    serve before it serves requests, and `loras` the adapters it must have loaded (the current
+    LoRAVersion of each adapter name pushed); `default_lora` the adapter name requests without
+    lora_path sample with; `lora_inflight` the requests on the workers by adapter (served) name; `no_service_since` the time the last worker left service
     (None while one serves), and `unavailable` the FleetUnavailable raised once that lasts
     unhealthy_timeout_s."""
 
@@ -108,6 +121,9 @@ class FleetState:
         self.router = Worker(router_url, in_service=True, error=None) if router_url else None
         self.weight_version = "default"
         self.target: tuple[str, str] | None = None
+        self.loras: dict[str, LoRAVersion] = {}
+        self.default_lora: str | None = None
+        self.lora_inflight: dict[str, int] = {}
         self.closed = False
         self.no_service_since: float | None = time.monotonic()
         self.unavailable: FleetUnavailable | None = None

@@ -640,3 +640,196 @@ async def push_to_worker(
 async def push_to_workers(client, urls: Sequence[str], folder: str, version: str, **kw) -> list[PushOutcome]:
     """`push_to_worker` on every worker at once; outcomes in `urls` order."""
     return list(await asyncio.gather(*(push_to_worker(client, u, folder, version, **kw) for u in urls)))
+
+
+# ----------------------------------------------------------------------------- LoRA adapters
+
+LORA_SUFFIX = "-lora"
+"""An adapter version's folder is `<weight_dir>/v<version>-lora` (a PEFT folder, no manifest)."""
+LORA_FLAGS = "--enable-lora --max-lora-rank {rank} --lora-target-modules {targets}"
+"""The worker flags an adapter push needs (SGLang's and `python -m ptrain.serve`'s names)."""
+
+
+def lora_flags(spec) -> str:
+    """LORA_FLAGS for adapters of `spec` (a LoRASpec)."""
+    return LORA_FLAGS.format(rank=spec.rank, targets=" ".join(t for t in spec.targets if t != "experts"))
+
+
+def lora_folder(weight_dir: str, version: str) -> str:
+    """`<weight_dir>/v<version>-lora`; WeightSyncError for a version that is not a safe folder name."""
+    check_version(version)
+    return os.path.join(weight_dir, f"v{version}{LORA_SUFFIX}")
+
+
+def export_adapters(adapters, spec, cfg, weight_dir: str, version: str, *, fsync: bool = True) -> ExportResult:
+    """Write LoRA `adapters` (the trainer's pytree, with its LoRASpec `spec`, for a model of
+    ModelConfig `cfg`) as a PEFT folder `<weight_dir>/v<version>-lora/`, atomically as
+    `export_weights` does: written into a hidden `.partial` folder, fsync'd, then renamed, so
+    a worker told to load the folder never reads half of it. bytes: the folder's size."""
+    from ptrain.models.peft_io import save_peft
+
+    final = lora_folder(weight_dir, version)
+    tmp = os.path.join(weight_dir, f".v{version}{LORA_SUFFIX}.partial")
+    t0 = time.perf_counter()
+    try:
+        os.makedirs(weight_dir, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_peft(adapters, spec, cfg, tmp)
+        files = tuple(sorted(os.listdir(tmp)))
+        nbytes = 0
+        for name in files:
+            path = os.path.join(tmp, name)
+            nbytes += os.path.getsize(path)
+            if fsync:
+                with open(path, "rb") as f:
+                    os.fsync(f.fileno())
+        if fsync:
+            _fsync_dir(tmp)
+        if os.path.exists(final):  # the same version again (a resumed run): swap, never merge
+            old = os.path.join(weight_dir, f".v{version}{LORA_SUFFIX}.replaced-{os.getpid()}")
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        if fsync:
+            _fsync_dir(weight_dir)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise WeightSyncError(
+            f"{weight_dir}: writing adapter version {version} failed ({e.strerror or e}"
+            f"{': ' + e.filename if e.filename else ''}); free space there, or point rollout.weight_dir "
+            "at a writable folder every worker can read"
+        ) from e
+    except ValueError as e:  # adapters PEFT cannot hold (save_peft names them and the way out)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise WeightSyncError(f"adapter version {version}: {e}") from e
+    return ExportResult(final, version, nbytes, time.perf_counter() - t0, files)
+
+
+def prune_lora_versions(weight_dir: str, *, keep: int, current: str | None = None) -> list[str]:
+    """Delete all but the newest `keep` adapter folders (never `current`'s); returns their versions."""
+    if not os.path.isdir(weight_dir):
+        return []
+    found = []
+    for entry in os.scandir(weight_dir):
+        if entry.is_dir() and entry.name.startswith("v") and entry.name.endswith(LORA_SUFFIX):
+            found.append((entry.stat().st_mtime, entry.name[1 : -len(LORA_SUFFIX)], entry.path))
+    found.sort()
+    deleted = []
+    for _, version, path in found[: max(len(found) - keep, 0)]:
+        if version == current:
+            continue
+        trash = os.path.join(weight_dir, f".v{version}{LORA_SUFFIX}.deleting-{os.getpid()}")
+        try:
+            os.rename(path, trash)
+        except OSError:
+            continue
+        shutil.rmtree(trash, ignore_errors=True)
+        deleted.append(version)
+    return deleted
+
+
+async def load_lora_on_worker(client, url: str, name: str, folder: str, *, timeout_s: float = 600.0,
+                              retries: int = 2, backoff_s: float = 1.0) -> PushOutcome:  # fmt: skip
+    """`/load_lora_adapter` of the PEFT `folder` as adapter `name` on one worker. Transport
+    errors, timeouts and 5xx are retried `retries` times; a 400 (LoRA off, a rank above
+    --max-lora-rank, targets outside --lora-target-modules, no free slot) is permanent. Never
+    raises for a worker's failure."""
+    import httpx
+
+    t0 = time.perf_counter()
+    out = PushOutcome(url, False)
+    body = {"lora_name": name, "lora_path": os.path.abspath(folder)}
+    for attempt in range(retries + 1):
+        out.attempts = attempt + 1
+        if attempt:
+            await asyncio.sleep(backoff_s * 2 ** (attempt - 1))
+        try:
+            t_update = time.perf_counter()
+            r = await client.post(url + "/load_lora_adapter", json=body, timeout=timeout_s)
+            out.update_s = time.perf_counter() - t_update
+            if r.status_code == 400 or (
+                r.status_code == 200 and _json_object(r, "POST /load_lora_adapter").get("success") is False
+            ):
+                out.error, out.permanent = f"POST /load_lora_adapter: {lora_answer_text(r)}", True
+                break
+            if r.status_code != 200:
+                out.error = f"POST /load_lora_adapter: {answer_text(r)}"
+                continue
+            out.ok, out.error, out.version_seen = True, None, name
+            break
+        except (httpx.HTTPError, WeightSyncError, ValueError) as e:
+            out.error = describe_error(e, timeout_s) if isinstance(e, httpx.HTTPError) else str(e)
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
+async def unload_lora_on_worker(client, url: str, name: str, *, timeout_s: float = 600.0) -> str | None:
+    """`/unload_lora_adapter` of adapter `name` on one worker (the worker waits for the requests
+    using it); None when done, else what went wrong (never raises for a worker's failure)."""
+    import httpx
+
+    try:
+        r = await client.post(url + "/unload_lora_adapter", json={"lora_name": name}, timeout=timeout_s)
+    except httpx.HTTPError as e:
+        return f"POST /unload_lora_adapter: {describe_error(e, timeout_s)}"
+    return None if r.status_code == 200 else f"POST /unload_lora_adapter: {lora_answer_text(r)}"
+
+
+async def worker_adapters(client, url: str, timeout_s: float) -> set[str]:
+    """The names of the LoRA adapters a worker serves (GET /v1/models lists them beside the
+    model, as SGLang does)."""
+    r = await client.get(url + "/v1/models", timeout=timeout_s)
+    if r.status_code != 200:
+        raise WeightSyncError(f"{url}/v1/models: {answer_text(r)}")
+    data = _json_object(r, f"{url}/v1/models").get("data") or []
+    return {str(m.get("id")) for m in data if isinstance(m, dict) and m.get("parent")}
+
+
+def lora_answer_text(response) -> str:
+    """answer_text of a LoRAUpdateOutput, whose message is in `error_message`."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and body.get("error_message"):
+        return f"HTTP {response.status_code}: {str(body['error_message']).strip()[:300]}"
+    return answer_text(response)
+
+
+async def push_lora_to_worker(client, url: str, name: str, served: str, folder: str, *, keep: Sequence[str] = (),
+                              reload: bool = True, timeout_s: float = 600.0, retries: int = 2,
+                              backoff_s: float = 1.0) -> PushOutcome:  # fmt: skip
+    """Bring one worker to adapter version `served` (of adapter `name`) from the PEFT `folder`:
+    versions of `name` it still holds that are not in `keep` (an earlier run's, or one it
+    missed the unload of while out of service) are unloaded first, so they do not fill its
+    adapter slots; then `load_lora_on_worker`. A worker that holds `served` already keeps it
+    without `reload`, else it is unloaded first (a resumed run re-exports the version it resumes
+    from into the same folder). Every unload waits on the worker for the requests using that
+    adapter. Never raises for a worker's failure."""
+    t0 = time.perf_counter()
+    try:
+        held = await worker_adapters(client, url, timeout_s)
+    except Exception as e:  # noqa: BLE001 - a worker's failure is an outcome
+        import httpx
+
+        why = describe_error(e, timeout_s) if isinstance(e, httpx.HTTPError) else str(e)
+        return PushOutcome(url, False, time.perf_counter() - t0, 1, error=f"GET /v1/models: {why}")
+    if served in held and not reload:
+        out = PushOutcome(url, True, time.perf_counter() - t0, 1, version_seen=served)
+        stale = []
+    else:
+        out = None
+        stale = [served] if served in held else []
+    stale += sorted(a for a in held if a != served and a.startswith(f"{name}-v") and a not in keep)
+    for adapter in stale:
+        error = await unload_lora_on_worker(client, url, adapter, timeout_s=timeout_s)
+        if error is not None:
+            log.warning("%s: unloading stale adapter %s failed: %s", url, adapter, error)
+    if out is not None:
+        return out
+    out = await load_lora_on_worker(client, url, served, folder, timeout_s=timeout_s, retries=retries,
+                                    backoff_s=backoff_s)  # fmt: skip
+    out.seconds = time.perf_counter() - t0
+    return out

@@ -294,6 +294,20 @@ def test_bench_weight_sync_runs_on_the_tiny_model(tmp_path):
     assert "Qwen3-30B-A3B" in proc.stdout
 
 
+def test_bench_weight_sync_compares_the_adapter_push_with_the_full_push(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "tools/bench_weight_sync.py", "--models", "tiny", "--repeat", "1", "--workers", "1",
+         "--lora", "4", "--weight-dir", str(tmp_path / "w"), "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    tiny = json.loads(out.read_text())["results"]["tiny"]
+    assert 0 < tiny["lora_bytes"] < tiny["bytes"] and tiny["lora_bytes_ratio"] < 0.1
+    assert tiny["lora_push_wall_s"] > 0 and tiny["push_wall_s"] > 0 and tiny["lora_seconds_ratio"] > 0
+    assert "LoRA rank 4 adapter push" in proc.stdout and "ratio" in proc.stdout
+
+
 def test_an_export_without_checksums_still_checks_sizes_and_headers(parts, tmp_path):
     params, model_state = parts
     folder = export_weights(CFG, params, model_state, str(tmp_path), "1", dtype="float32", checksums=False).path

@@ -34,6 +34,8 @@ def busy_port():
             ["--base-port", "{free}", "--router-port", "{free+5}", "--worker-args", "'--tp-size 2"],
             '--worker-args "\'--tp-size 2": No closing quotation',
         ),
+        (["--max-lora-rank", "8"], "--max-lora-rank without --enable-lora: pass --enable-lora too"),
+        (["--enable-lora", "--max-lora-rank", "8"], "--enable-lora needs --max-lora-rank and --lora-target-modules"),
     ],
 )
 def test_launch_mistakes_exit_2_before_starting_anything(flags, message, model_dir, busy_port, capsys):

@@ -117,10 +117,11 @@ class RolloutBatches:
             self.collector.start()
 
     def _push(self, state: TrainState, step: int, mode: str) -> None:
-        """Bring the engine to `state`'s policy: its adapters alone into the engine's policy slot
-        when the engine serves them (adapter-sized), else the whole (merged) weights."""
+        """Bring the engine to `state`'s policy: its adapters alone when the engine serves them
+        (adapter-sized: the in-process engine's policy slot, or the fleet's versioned adapter),
+        else the whole (merged) weights."""
         version = str(step)
-        if getattr(self.engine, "default_lora", None) == POLICY_ADAPTER:  # a LocalEngine serving the adapters
+        if getattr(self.engine, "default_lora", None) == POLICY_ADAPTER:  # an engine serving the adapters
             self.engine.update_lora(POLICY_ADAPTER, state.params, state.lora, weight_version=version, mode=mode)
         else:
             self.engine.update_weights(
@@ -416,26 +417,43 @@ POLICY_ADAPTER = "policy"
 """The adapter slot a LoRA stage's engine serves its policy from."""
 
 
+BASE_VERSION = "base"
+"""The weight version a LoRA stage's fleet serves its frozen base as (pushed once, at start)."""
+
+
 def policy_engine(run, placed, *, tokenizer, seed: int, stage_dir: str):
-    """The stage's rollout engine. A LoRA stage sampling in process serves its adapters over
-    the frozen base from an adapter slot (every sync then moves only the adapters); otherwise,
-    and for adapters the engine cannot apply per request (routed experts, the output head, an
-    int8 base), the engine holds the merged weights and every sync moves them whole."""
+    """The stage's rollout engine. A LoRA stage serves its adapters over the frozen base, so
+    every sync moves only the adapters: in process from an adapter slot, and on a fleet
+    (`rollout=sglang`) as a PEFT folder each worker loads under a versioned name, after the
+    base itself is pushed once (the workers may have started from another checkpoint than
+    this stage's base). Otherwise, and for adapters no engine applies per request (routed
+    experts, the output head, an int8 base, whose dequantized weights only the trainer has),
+    the engine holds the merged weights and every sync moves them whole."""
     from ptrain.models.lora import SERVABLE
     from ptrain.rollout.engines import make_engine
 
     state = placed.state
     spec = state.lora
-    by_slot = (
+    by_adapter = (
         spec is not None
-        and run.rollout.kind == "local"
+        and run.rollout.kind in ("local", "sglang")
         and set(spec.targets) <= set(SERVABLE)
         and run.model.lora.base_dtype != "int8"
     )
-    params = state.base_params if by_slot else state.merged_params()
+    by_slot = by_adapter and run.rollout.kind == "local"
+    params = state.base_params if by_adapter else state.merged_params()
     engine = make_engine(run, placed.model_def, params, state.model_state, mesh=placed.mesh, tokenizer=tokenizer,
                          seed=seed, stage_dir=stage_dir, lora=spec if by_slot else None)  # fmt: skip
     if by_slot:
         engine.load_lora(POLICY_ADAPTER, adapters=state.params, spec=spec)
+    elif by_adapter:
+        try:
+            engine.update_weights(state.base_params, state.model_state or None, weight_version=BASE_VERSION,
+                                  mode="abort")  # fmt: skip
+        except BaseException:
+            engine.close()
+            raise
+    if by_adapter:
+        # The first sync (RolloutBatches.begin) pushes the adapters; _push sees this default.
         engine.set_default_lora(POLICY_ADAPTER)
     return engine
