@@ -419,6 +419,8 @@ class LocalEngine(EngineBase):
         self._decode_fn = jax.jit(
             _decode, static_argnames=("model_def", "steps", "key_len", "filtering"), donate_argnames=("caches",)
         )
+        # One program per (slot, adapter shape): a push is then one device call, not one per array.
+        self._write_slot = jax.jit(write_slot, static_argnums=(1, 3), donate_argnums=(0,))
 
         # Per-row host state.
         self._row_state = np.full(R, FREE, np.int8)
@@ -639,7 +641,7 @@ class LocalEngine(EngineBase):
                         raise LoRAError(f"all {self.max_loras} adapter slots are in use ({sorted(self._lora_names)}); "
                                         "unload one first, or start the engine with a larger max_loras")  # fmt: skip
                     slot = free[0]
-            self._lora_slots = write_slot(self._lora_slots, slot, adapters, spec)
+            self._lora_slots = self._write_slot(self._lora_slots, slot, adapters, spec)
             self._drop_idle_rows(slot)
             with self._lock:
                 self._lora_names[name] = slot
@@ -692,7 +694,7 @@ class LocalEngine(EngineBase):
         slot = self.loras()[name]["slot"]
 
         def install() -> None:
-            self._lora_slots = write_slot(self._lora_slots, slot, adapters, spec)
+            self._lora_slots = self._write_slot(self._lora_slots, slot, adapters, spec)
 
         return self._request_swap(install, weight_version, mode)
 
@@ -724,7 +726,7 @@ class LocalEngine(EngineBase):
                 if busy:
                     raise LoRAError(f"adapter {name!r} has {busy} requests queued or running; unload it when they end")
                 del self._lora_names[name], self._lora_info[name]
-            self._lora_slots = write_slot(self._lora_slots, slot, {}, None)
+            self._lora_slots = self._write_slot(self._lora_slots, slot, {}, None)
             self._drop_idle_rows(slot)
 
         self._call(unload)
