@@ -72,6 +72,15 @@ class StageCheckpointer:
         Done only when the run gets there, so a checkpoint that failed for another reason
         (a changed model config, say) is left as it was if the run stops earlier."""
         self.manager.wait_until_finished()
+        from ptrain.parallel.multihost import barrier, is_primary
+
+        if is_primary():  # one renamer; the others wait, then list the folder again
+            self._rename_unreadable(step)
+        barrier(f"ptrain:set_aside:{step}")
+        self.manager.reload()
+        self.unreadable.discard(step)
+
+    def _rename_unreadable(self, step: int) -> None:
         src = os.path.join(self.directory, str(step))
         if not os.path.isdir(src):
             raise CheckpointError(
@@ -82,8 +91,6 @@ class StageCheckpointer:
         while os.path.exists(dst):
             dst, n = f"{src}.unreadable.{n}", n + 1
         os.rename(src, dst)
-        self.manager.reload()
-        self.unreadable.discard(step)
         log.warning("saving step %d again: the unreadable checkpoint of that step is kept as %s", step, dst)
 
     def restore_latest(self, abstract_state) -> tuple[int, Any, Any, dict] | None:

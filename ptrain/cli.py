@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import sys
+import traceback
 from typing import Any
 
 import hydra
@@ -48,6 +49,14 @@ def _fail(kind: str, e: BaseException, code: int) -> dict:
     print(message, file=sys.stderr, flush=True)
     if _multirun():
         return {"error": message}
+    _exit(code)
+
+
+def _exit(code: int) -> None:
+    if "jax" in sys.modules:  # a run that got as far as JAX may be one of several processes
+        from ptrain.parallel.multihost import exit_now
+
+        exit_now(code)  # not through jax.distributed's shutdown barrier, which would wait for the others
     sys.exit(code)
 
 
@@ -88,6 +97,13 @@ def _run(cfg: DictConfig) -> dict:
         return _fail("error", e, 1)
     except SandboxUnavailableError as e:  # an environment runs code and nothing here isolates it
         return _fail("error", e, 1)
+    except Exception:
+        import jax
+
+        if jax.distributed.is_initialized() and jax.process_count() > 1 and not _multirun():
+            traceback.print_exc()  # then out at once: see _exit
+            _exit(1)
+        raise
 
 
 @hydra.main(config_path="pkg://ptrain.conf", config_name="config", version_base="1.3")

@@ -51,11 +51,13 @@ def _check_every_stage_fits(run: RunConfig) -> None:
     trains: a later stage's mistake must not surface only after the earlier ones ran."""
     import jax
 
-    from ptrain.config.run import check_mesh_fits
+    from ptrain.config.run import check_mesh_fits, check_processes
 
     for stage in run.stages:
         try:
-            check_mesh_fits(stage_config(run, stage), jax.device_count())
+            cfg = stage_config(run, stage)
+            check_mesh_fits(cfg, jax.device_count())
+            check_processes(cfg, jax.process_count())  # a launcher's count, known only now
         except ConfigError as e:
             raise ConfigError(f"stage '{stage.name}': {e}") from None
 
@@ -125,12 +127,13 @@ def stage_result(run: RunConfig, stage: StageConfig) -> StageResult:
 
 def run_stages(run: RunConfig, only: str | None = None) -> RunResult:
     """Run every stage (or only the one named `only`) in order, skipping finished ones."""
-    os.makedirs(run.run_dir, exist_ok=True)
-    OmegaConf.save(OmegaConf.structured(run), os.path.join(run.run_dir, "config.yaml"))
-    from ptrain.parallel import maybe_initialize_distributed
+    from ptrain.parallel.multihost import initialize, is_primary
 
-    maybe_initialize_distributed()
+    initialize(run.distributed)  # before anything touches a device (one process: nothing)
     _check_every_stage_fits(run)
+    os.makedirs(run.run_dir, exist_ok=True)
+    if is_primary():  # process 0 writes the run's files; the others read them after a barrier
+        OmegaConf.save(OmegaConf.structured(run), os.path.join(run.run_dir, "config.yaml"))
     results: dict[str, StageResult] = {}
     for i, stage in enumerate(run.stages):
         if only is not None and stage.name != only:
@@ -149,7 +152,8 @@ def run_stages(run: RunConfig, only: str | None = None) -> RunResult:
                 f"run the previous stage first, or set stages[{i}].init to a Hugging Face folder"
             )
         os.makedirs(sdir, exist_ok=True)
-        OmegaConf.save(OmegaConf.structured(cfg), os.path.join(sdir, "config.yaml"))
+        if is_primary():
+            OmegaConf.save(OmegaConf.structured(cfg), os.path.join(sdir, "config.yaml"))
         print(
             f"ptrain: stage {i + 1}/{len(run.stages)} '{stage.name}' ({stage.kind}) from "
             f"{init or 'the embedded model'} -> {sdir}",

@@ -11,6 +11,7 @@ from ptrain.config.advantages import AdvantageConfig
 from ptrain.config.algo import AlgoConfig, DPOAlgoConfig, SFTAlgoConfig
 from ptrain.config.choices import STAGE_KINDS
 from ptrain.config.data import DataConfig, GeneratedTaskConfig
+from ptrain.config.distributed import DistributedConfig
 from ptrain.config.mesh import MeshConfig
 from ptrain.config.model import ModelConfig
 from ptrain.config.optim import OptimConfig
@@ -27,6 +28,7 @@ __all__ = [
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",
+    "DistributedConfig",
     "DPOAlgoConfig",
     "GeneratedTaskConfig",
     "LoggingConfig",

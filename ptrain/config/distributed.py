@@ -48,7 +48,7 @@ class DistributedConfig:
         launcher. ValueError naming the key (or variable) and the fix for values that cannot
         start a job: a rank out of range, or some of the three given without the others."""
         given: dict[str, object] = {}
-        source: dict[str, str] = {}
+        source: dict[str, str] = {}  # for messages: "" from the config, " (from $VAR)" from the environment
         for key, var in ENV_VARS.items():
             value = getattr(self, key)
             if value is not None:

@@ -2,7 +2,8 @@
 
 Model code names logical axes only (`embed`, `mlp`, `heads`, ...); a rule table here maps
 them to mesh axes (`data`, `fsdp`, `tensor`, `expert`). State shardings come from the
-abstract state (`jax.eval_shape` of the init) plus the logical names.
+abstract state (`jax.eval_shape` of the init) plus the logical names. `multihost` runs one
+program as several JAX processes (start-up, process 0 writes, barriers; docs/scaling.md).
 """
 
 from ptrain.parallel.mesh import MESH_AXES, make_mesh, maybe_initialize_distributed

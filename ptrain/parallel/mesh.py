@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import jax
 import numpy as np
 from jax.sharding import Mesh
@@ -21,27 +19,28 @@ def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
     """
     devices = jax.devices() if devices is None else devices
     shape = resolve_mesh_shape(cfg, len(devices))
-    try:
-        from jax.experimental import mesh_utils
+    if len({d.process_index for d in devices}) > 1 and devices[0].platform != "tpu":
+        # Several processes (hosts): process-major order, so the outer axes (data first) cross
+        # processes and the inner ones (fsdp, tensor, expert) stay on one host's fast links
+        # where they fit. Device ids say nothing of the order (a second CPU process's start
+        # at 2048); TPU pods keep mesh_utils, which knows their physical topology.
+        dev_array = np.asarray(sorted(devices, key=lambda d: (d.process_index, d.id))).reshape(shape)
+    else:
+        try:
+            from jax.experimental import mesh_utils
 
-        dev_array = mesh_utils.create_device_mesh(shape, devices=devices)
-    except Exception:  # irregular device sets (e.g. CPU host devices): plain reshape is fine
-        dev_array = np.asarray(devices).reshape(shape)
+            dev_array = mesh_utils.create_device_mesh(shape, devices=devices)
+        except Exception:  # irregular device sets (e.g. CPU host devices): plain reshape is fine
+            dev_array = np.asarray(devices).reshape(shape)
     axis_types = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
     return Mesh(dev_array, MESH_AXES, axis_types=axis_types)
 
 
 def maybe_initialize_distributed() -> None:
-    """Call jax.distributed.initialize() when launched as one process of many.
+    """Join a multi-process job described by the PTRAIN_* variables or a launcher (the
+    `distributed` config group's fallbacks, ptrain.config.distributed); nothing for one
+    process. Runs take the group from their config: ptrain.parallel.multihost.initialize."""
+    from ptrain.config.distributed import DistributedConfig
+    from ptrain.parallel.multihost import initialize
 
-    Cloud TPU and SLURM/GPU launchers set the variables jax reads itself; a manual
-    launch sets PTRAIN_COORDINATOR, PTRAIN_NUM_PROCESSES and PTRAIN_PROCESS_ID.
-    """
-    if os.environ.get("PTRAIN_COORDINATOR"):
-        jax.distributed.initialize(
-            coordinator_address=os.environ["PTRAIN_COORDINATOR"],
-            num_processes=int(os.environ["PTRAIN_NUM_PROCESSES"]),
-            process_id=int(os.environ["PTRAIN_PROCESS_ID"]),
-        )
-    elif os.environ.get("SLURM_JOB_ID") and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
-        jax.distributed.initialize()
+    initialize(DistributedConfig())

@@ -20,6 +20,7 @@ from ptrain.config.choices import REFERENCE_FREE_KINDS
 from ptrain.data.preference import make_preference_iterator, make_preference_pass
 from ptrain.data.prompts import make_eval_prompts
 from ptrain.parallel import batch_sharding
+from ptrain.parallel.multihost import host_array, put_global_batch
 from ptrain.stages.env_pairs import env_pairs_data
 from ptrain.stages.heldout import ExactMatchEvaluator
 from ptrain.stages.loop import Algorithm, IteratorBatches, train_evaluate_export
@@ -46,11 +47,11 @@ def reference_logprobs(
     chosen = np.zeros(it.n_examples, np.float32)
     rejected = np.zeros(it.n_examples, np.float32)
     for batch in it:
-        c, r = pair_logps(params, model_state, jax.device_put(batch, batch_sharding(mesh)))
+        c, r = pair_logps(params, model_state, put_global_batch(batch, batch_sharding(mesh)))
         idx = batch["pair_index"]
         keep = idx >= 0
-        chosen[idx[keep]] = np.asarray(c)[keep]
-        rejected[idx[keep]] = np.asarray(r)[keep]
+        chosen[idx[keep]] = host_array(c)[keep]  # rows on other processes' devices are gathered
+        rejected[idx[keep]] = host_array(r)[keep]
     return chosen, rejected
 
 
@@ -80,9 +81,9 @@ def preference_evaluator(
             if i >= t.eval_batches:
                 break
             c, r = (
-                np.asarray(x)
+                host_array(x)
                 for x in pair_logps(
-                    state.merged_params(), state.model_state, jax.device_put(batch, batch_sharding(mesh))
+                    state.merged_params(), state.model_state, put_global_batch(batch, batch_sharding(mesh))
                 )
             )
             keep = batch["pair_index"] >= 0

@@ -16,6 +16,7 @@ from ptrain.data.tasks import check_answer
 from ptrain.data.tokenizer import stop_token_ids
 from ptrain.losses import sft_loss
 from ptrain.parallel import batch_sharding
+from ptrain.parallel.multihost import put_global_batch
 from ptrain.train.state import TrainState
 
 
@@ -37,7 +38,9 @@ def heldout_loss_evaluator(run: RunConfig, data_cfg, tokenizer, placed) -> Calla
         for i, batch in enumerate(it):
             if i >= t.eval_batches:
                 break
-            n, c, k = sums(state.merged_params(), state.model_state, jax.device_put(batch, batch_sharding(placed.mesh)))
+            n, c, k = sums(
+                state.merged_params(), state.model_state, put_global_batch(batch, batch_sharding(placed.mesh))
+            )
             nll, tokens, correct = nll + float(n), tokens + float(c), correct + float(k)
         tokens = max(tokens, 1.0)
         return {"loss": nll / tokens, "token_accuracy": correct / tokens}

@@ -10,6 +10,7 @@ run the loop with evaluations and checkpoints, export, write DONE.json.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shutil
@@ -23,6 +24,7 @@ import jax
 from ptrain.checkpoint import StageCheckpointer, abstract_like
 from ptrain.metrics import MetricsLogger, to_host
 from ptrain.parallel import batch_sharding
+from ptrain.parallel.multihost import barrier, check_same_everywhere, host_array, is_primary, put_global_batch
 from ptrain.stages.setup import Placed, Stage, jit_step, resolved
 from ptrain.train.state import TrainState
 from ptrain.train.step import Denominator, Objective, make_train_step
@@ -184,7 +186,9 @@ def train_loop(
     def drain(p):
         nonlocal last
         step, dev_metrics, tokens, dt = p
-        host = algorithm.finalize(to_host(dev_metrics))
+        # A metric array sharded over several processes' devices (MoE expert load, say) is
+        # gathered; every process drains the same steps, so the collectives line up.
+        host = algorithm.finalize(to_host(jax.tree.map(host_array, dev_metrics)))
         host.update(step_time_s=dt, tokens_per_s=tokens / max(dt, 1e-9), tokens=tokens)
         if run.train.nan_check:
             check_finite(step, host)
@@ -211,7 +215,9 @@ def train_loop(
         except EngineUnavailable as e:  # the batches are back where they were before this step
             stop(step - 1, e)
         tokens = algorithm.tokens_in(batch)
-        state, metrics = step_fn(state, jax.device_put(batch, sharding))
+        # Every process holds the same global batch (same data, seed and iterator state) and
+        # copies only the rows of its own devices.
+        state, metrics = step_fn(state, put_global_batch(batch, sharding))
         try:
             batches.after_step(step, state, metrics)
         except EngineUnavailable as e:  # the step trained; its weights just did not reach the engine
@@ -254,18 +260,26 @@ def train_loop(
 def export_stage(placed: Placed, state: TrainState, stage_dir: str, tokenizer) -> str:
     """Write the stage's final weights as a Hugging Face folder (atomically). Under LoRA that
     folder holds the adapters merged into the base, and `adapter/` beside it the adapters
-    alone as a PEFT folder (which the next stage, transformers + PEFT or a server loads)."""
+    alone as a PEFT folder (which the next stage, transformers + PEFT or a server loads).
+
+    With several processes every one calls it: the weights are gathered to every host (a
+    collective), process 0 writes, and all return once the folders are there."""
     from ptrain.models import save_hf
 
-    model = placed.model_def.bind(state.merged_params(), state.model_state)
+    merged, params, model_state = state.merged_params(), state.params, state.model_state
+    if jax.process_count() > 1:  # shards on other hosts cannot be read from here
+        merged, params, model_state = jax.tree.map(host_array, (merged, params, model_state))
+    model = placed.model_def.bind(merged, model_state)
     out = os.path.join(stage_dir, "export")
-    _write_atomically(out, lambda tmp: save_hf(model, tmp, tokenizer=tokenizer))
-    if state.lora is not None and "experts" not in state.lora.targets:
-        from ptrain.models.peft_io import save_peft
+    if is_primary():
+        _write_atomically(out, lambda tmp: save_hf(model, tmp, tokenizer=tokenizer))
+        if state.lora is not None and "experts" not in state.lora.targets:
+            from ptrain.models.peft_io import save_peft
 
-        _write_atomically(
-            os.path.join(stage_dir, "adapter"), lambda tmp: save_peft(state.params, state.lora, model.cfg, tmp)
-        )
+            _write_atomically(
+                os.path.join(stage_dir, "adapter"), lambda tmp: save_peft(params, state.lora, model.cfg, tmp)
+            )
+    barrier("ptrain:export")
     return out
 
 
@@ -299,6 +313,10 @@ def train_evaluate_export(
     start_step, state, data_state = restore_or_start(checkpointer, stage.placed, run.checkpoint.resume)
     if data_state is not None:
         batches.set_state(data_state)
+    if jax.process_count() > 1:  # every process builds the global batch from its own copy of the pipeline
+        check_same_everywhere(
+            batches.get_state(), f"stage '{stage.name}': the training data (iterator state and examples)"
+        )
 
     def evaluate(state: TrainState, step: int) -> dict:
         out: dict = {}
@@ -306,8 +324,13 @@ def train_evaluate_export(
             out.update(ev(state))
         return out
 
+    # Process 0 keeps the metrics (JSONL, TensorBoard, console); the others compute the same
+    # values in lockstep and log nothing.
+    sinks = run.logging
+    if not is_primary():
+        sinks = dataclasses.replace(sinks, console=False, jsonl=False, tensorboard=False)
     logger = MetricsLogger(
-        run.logging, stage.dir, total_steps=run.train.steps, start_step=start_step, name=f"{stage.kind} {stage.name}"
+        sinks, stage.dir, total_steps=run.train.steps, start_step=start_step, name=f"{stage.kind} {stage.name}"
     )
     from ptrain.rollout.protocol import EngineUnavailable
 
@@ -347,5 +370,7 @@ def train_evaluate_export(
         bad_rows=report.bad,
         wall_time_s=round(time.time() - stage.t_start, 1),
     )
-    mark_done(stage.dir, summary)
+    if is_primary():
+        mark_done(stage.dir, summary)
+    barrier("ptrain:done")  # the others read DONE.json next (pipeline.stage_result)
     return summary

@@ -25,6 +25,7 @@ from ptrain.config import RunConfig
 from ptrain.config.seeds import component_seed
 from ptrain.data.preference import make_preference_iterator
 from ptrain.parallel import batch_sharding
+from ptrain.parallel.multihost import host_array, put_global_batch
 from ptrain.stages.loop import Algorithm, IteratorBatches, train_evaluate_export
 from ptrain.stages.setup import (
     Stage,
@@ -91,10 +92,10 @@ def pairwise_evaluator(run: RunConfig, scores, mesh, data_cfg, tokenizer):
         for i, batch in enumerate(it):
             if i >= t.eval_batches:
                 break
-            c, r = scores(state.params, state.model_state, jax.device_put(batch, batch_sharding(mesh)))
+            c, r = scores(state.params, state.model_state, put_global_batch(batch, batch_sharding(mesh)))
             keep = batch["pair_index"] >= 0
-            chosen.append(np.asarray(c)[keep])
-            rejected.append(np.asarray(r)[keep])
+            chosen.append(host_array(c)[keep])  # rows on other processes' devices are gathered
+            rejected.append(host_array(r)[keep])
         c = np.concatenate(chosen).astype(np.float64)
         r = np.concatenate(rejected).astype(np.float64)
         if not c.size:

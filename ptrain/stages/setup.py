@@ -19,6 +19,7 @@ from ptrain.config import RunConfig
 from ptrain.config.seeds import component_seed
 from ptrain.models.lora import LoRASpec
 from ptrain.parallel import batch_sharding, make_mesh, replicated, shardings_for
+from ptrain.parallel.multihost import primary_first
 from ptrain.parallel.sharding import DEFAULT_RULES, shardings_following_params
 from ptrain.train.state import ModelDef, TrainState, logical_axes, split_model
 from ptrain.train.step import PostUpdate
@@ -50,8 +51,12 @@ def tokenizer_for(run: RunConfig, init_path: str | None):
                 "data.tokenizer_path=DIR, a folder with the model's tokenizer.json"
             )
         return load_tokenizer(init_path)
-    return get_tokenizer(
-        run.data.tokenizer_path, os.path.join(run.run_dir, "tokenizer"), vocab_size=run.data.tokenizer_vocab_size
+    # The embedded tokenizer is trained and saved once, by process 0; the others load it.
+    return primary_first(
+        lambda: get_tokenizer(
+            run.data.tokenizer_path, os.path.join(run.run_dir, "tokenizer"), vocab_size=run.data.tokenizer_vocab_size
+        ),
+        "ptrain:tokenizer",
     )
 
 
@@ -59,6 +64,11 @@ def stage_data(run: RunConfig, tokenizer) -> Any:
     """The stage's data config with generated rows written as JSONL into <run_dir>/data:
     the embedded arithmetic task (source=generated) or the environments' demonstrations
     (source=envs, ptrain/envs/demonstrations.py). Other sources pass through."""
+    # Process 0 writes the files; the others then find the same rows there and leave them be.
+    return primary_first(lambda: _write_stage_data(run, tokenizer), "ptrain:stage_data")
+
+
+def _write_stage_data(run: RunConfig, tokenizer) -> Any:
     from ptrain.data.sources import write_generated
 
     out_dir = os.path.join(run.run_dir, "data")
@@ -100,6 +110,11 @@ def ensure_base_model(run: RunConfig, tokenizer) -> str:
     Built from the model config with the tokenizer's vocabulary, saved with the tokenizer
     so the folder loads in transformers and SGLang like any published checkpoint.
     """
+    # Built by process 0; the others wait for it and find it there.
+    return primary_first(lambda: _build_base_model(run, tokenizer), "ptrain:base_model")
+
+
+def _build_base_model(run: RunConfig, tokenizer) -> str:
     import dataclasses
 
     from ptrain.models import Decoder, save_hf
