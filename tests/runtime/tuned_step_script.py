@@ -11,7 +11,7 @@ from flax import nnx
 from ptrain.config import ModelConfig, SFTAlgoConfig
 from ptrain.models import Decoder
 from ptrain.train.objectives import make_sft_objective
-from ptrain.train.state import split_model
+from ptrain.train.state import TrainState, split_model
 
 cfg = ModelConfig(
     vocab_size=128,
@@ -37,8 +37,7 @@ batch = dict(
 )
 
 
-class State:
-    model_state = rest
+State = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=None, rng=None, model_state=rest)
 
 
 loss, grads = jax.jit(
