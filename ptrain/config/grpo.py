@@ -30,6 +30,8 @@ layers (_LossAndBatch, _SamplingAndUpdates) stack the groups in that order; they
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass, field
 
 from ptrain.config.advantages import AdvantageConfig
@@ -132,6 +134,34 @@ def staleness_bound(cfg: GRPOAlgoConfig) -> int:
 
 
 @dataclass
+class LmEvalConfig:
+    """lm-evaluation-harness tasks an `eval` stage runs (`algo.eval.lm_eval`): the stage serves
+    its model in process on a loopback port with `python -m ptrain.serve`'s routes and points
+    lm-eval's `local-completions` model at it, so loglikelihood (multiple_choice) and
+    generate_until tasks both run. Needs the optional extra: pip install ".[lm_eval]".
+
+        python -m ptrain recipe=eval model=hf model.hf_path=DIR "algo.eval.lm_eval.tasks=[my_task]" \
+            algo.eval.lm_eval.include_path=tasks/
+    """
+
+    tasks: list[str] = field(default_factory=list)
+    """lm-eval task or group names (`lm_eval --tasks`); empty: lm-eval does not run. Most of
+    lm-eval's own tasks download their data from the Hugging Face hub; tasks of your own over
+    local files come from `include_path`. Metrics: `eval/lm_eval/<task>/<metric>` (a filter
+    other than "none" adds `/<filter>`), also in the stage's DONE.json."""
+    include_path: str | None = None
+    """A folder of task YAMLs (lm-eval's --include_path), e.g. tasks over local JSONL
+    (`dataset_path: json`, `dataset_kwargs.data_files`); null: lm-eval's own tasks only."""
+    limit: int | None = None
+    """Documents per task at most (>= 1); null: every document."""
+    num_fewshot: int | None = None
+    """Few-shot examples per prompt (>= 0); null: each task's own default."""
+    batch_size: int = 1
+    """Prompts per /v1/completions request (>= 1); the server batches the requests in flight
+    either way, so this trades HTTP round trips against lm-eval's progress granularity."""
+
+
+@dataclass
 class EvalAlgoConfig:
     """How environments are evaluated: by `eval` stages, and every train.eval_every steps by
     RL stages. Greedy pass@1 is always reported; samples > 0 adds sampled metrics."""
@@ -151,6 +181,9 @@ class EvalAlgoConfig:
     """Thinking budgets B (each >= 0) to evaluate greedily besides the unlimited run: the
     prompt states B as Nano's template does and the engine forces </think> after B
     reasoning tokens; reported as <env>/budget_B/<metric> and budget_B/pass@1."""
+    lm_eval: LmEvalConfig = field(default_factory=LmEvalConfig)
+    """lm-evaluation-harness tasks an `eval` stage also runs (LmEvalConfig; RL stages' periodic
+    evaluation does not run them)."""
 
 
 def validate_eval(cfg: EvalAlgoConfig, check) -> None:
@@ -162,6 +195,25 @@ def validate_eval(cfg: EvalAlgoConfig, check) -> None:
     check(all(k >= 1 for k in cfg.pass_k), "algo.eval.pass_k", f"every k must be >= 1, got {list(cfg.pass_k)}")
     check(all(b >= 0 for b in cfg.thinking_budgets), "algo.eval.thinking_budgets",
           f"every budget must be >= 0 (tokens of reasoning), got {list(cfg.thinking_budgets)}")  # fmt: skip
+    validate_lm_eval(cfg.lm_eval, check)
+
+
+def validate_lm_eval(cfg: LmEvalConfig, check) -> None:
+    """Reject lm-eval settings that cannot run, before the stage loads a model."""
+    key = "algo.eval.lm_eval"
+    bad = [t for t in cfg.tasks if not isinstance(t, str) or not t.strip()]
+    check(not bad, f"{key}.tasks", f"every task must be a non-empty name, got {list(cfg.tasks)}")
+    check(
+        cfg.limit is None or cfg.limit >= 1, f"{key}.limit", f"must be null (every document) or >= 1, got {cfg.limit}"
+    )
+    check(cfg.num_fewshot is None or cfg.num_fewshot >= 0, f"{key}.num_fewshot",
+          f"must be null (the task's default) or >= 0, got {cfg.num_fewshot}")  # fmt: skip
+    check(cfg.batch_size >= 1, f"{key}.batch_size", f"must be >= 1, got {cfg.batch_size}")
+    check(cfg.include_path is None or os.path.isdir(cfg.include_path), f"{key}.include_path",
+          f"'{cfg.include_path}' is not a folder; pass a folder of task YAMLs, or null")  # fmt: skip
+    check(not cfg.tasks or importlib.util.find_spec("lm_eval") is not None, f"{key}.tasks",
+          'lm-evaluation-harness is not installed; pip install "lm-eval[api]==0.4.13" (the lm_eval extra: pip '
+          'install ".[lm_eval]"), or leave tasks empty')  # fmt: skip
 
 
 def validate_grpo(cfg: GRPOAlgoConfig, check) -> None:

@@ -511,11 +511,14 @@ def validate(run: RunConfig) -> None:
             f"mix with envs.<name>.weight",
         )
         if STAGES[s.kind].samples:
+            # An eval stage may run lm-evaluation-harness tasks alone.
+            lm_eval_only = s.kind == "eval" and bool(stage_config(run, s).algo.eval.lm_eval.tasks)
             _check(
-                bool(s.envs or run.envs),
+                bool(s.envs or run.envs) or lm_eval_only,
                 "envs",
                 f"stage '{s.name}' ({s.kind}) samples environments, but the run has none: pass env=countdown "
-                "(or env=[countdown,math]; conf/env/ lists the kinds)",
+                "(or env=[countdown,math]; conf/env/ lists the kinds)"
+                + (", or lm-eval tasks with algo.eval.lm_eval.tasks=[...]" if s.kind == "eval" else ""),
             )
     for s in run.stages:
         stage_config(run, s)  # validates every stage's merged values

@@ -237,6 +237,8 @@ class FleetDispatch:
         }
         if call.request.return_prompt_logprobs_from is not None:
             body["logprob_start_len"] = call.request.return_prompt_logprobs_from
+        if call.request.top_logprobs_num:
+            body["top_logprobs_num"] = call.request.top_logprobs_num
         if call.sampling.thinking_budget is not None:
             body["max_thinking_tokens"] = call.sampling.thinking_budget
         if call.lora is not None:

@@ -27,7 +27,10 @@ Compiles: decode once per (row bucket, key-length bucket), extend once per (chun
 key-length bucket), powers of two; weights, sampling settings and stop tokens are traced
 arguments, so weight swaps and new requests never recompile. A decode call in which some
 running sample has an open thinking budget runs a second program (per bucket) that also
-carries the forcing state; without one, the plain program runs.
+carries the forcing state; without one, the plain program runs. Likewise a call in which some
+request asks for top log-probs (`GenerateRequest.top_logprobs_num`, a scorer's request), and
+the prefill of such a request, run programs that also take a top-k over the vocabulary at every
+position (k bucketed to a power of two); nobody else pays for it.
 
 Thinking budget (`SamplingParams.thinking_budget` = B, `think_end_ids` = the tokenizer's
 `</think>`; Nemotron 3 Nano's budget control, arXiv 2512.20856 §2.7). A sample's reasoning
@@ -88,6 +91,7 @@ from ptrain.models.generate import base_keys, filters, sample_key, sample_rows, 
 from ptrain.models.lora import SERVABLE, attach_slots, empty_slots, write_slot
 from ptrain.rollout.protocol import (
     MAX_THINK_END_IDS,
+    MAX_TOP_LOGPROBS,
     SWAP_MODES,
     EngineBase,
     FinishReason,
@@ -133,11 +137,14 @@ def _cache_axis(x: jax.Array) -> int:
 
 
 def _extend(model_def, params, model_state, caches, row, tokens_1xM, start, n_valid, targets_1xM, temperature,
-            lora=None, *, key_len: int, with_logprobs: bool):  # fmt: skip
+            lora=None, *, key_len: int, with_logprobs: bool, top_n: int = 0):  # fmt: skip
     """Prefill tokens [start, start + M) of cache row `row` (only the first n_valid are real).
 
     The row is sliced out, run through `decode_step` with a scalar write index, and written
-    back. Returns (caches, log-probs [M] of `targets_1xM` under softmax(logits / T), or None).
+    back. Returns (caches, log-probs [M] of `targets_1xM` under softmax(logits / T), or None,
+    top), top being None, or with top_n > 0 (static; only with with_logprobs) the top_n most
+    likely tokens of each position and their log-probs, ([M, top_n] int32, [M, top_n] float32),
+    from the same log-softmax: a request that asks for none compiles and runs without the top-k.
     lora: None, or (adapter slots, the row's slot [1]).
     """
     model = model_def.bind(params if lora is None else attach_slots(params, *lora), model_state)
@@ -154,10 +161,15 @@ def _extend(model_def, params, model_state, caches, row, tokens_1xM, start, n_va
         lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r, row, axis=_cache_axis(x)), caches, row_caches
     )
     if not with_logprobs:
-        return caches, None
+        return caches, None, None
     z = logits[0] / jnp.where(temperature > 0, temperature, 1.0)
-    lp = jnp.take_along_axis(jax.nn.log_softmax(z, axis=-1), targets_1xM[0][:, None], axis=-1)[:, 0]
-    return caches, jnp.where(jnp.arange(M) < n_valid, lp, 0.0)
+    logp_MxV = jax.nn.log_softmax(z, axis=-1)
+    lp = jnp.take_along_axis(logp_MxV, targets_1xM[0][:, None], axis=-1)[:, 0]
+    top = None
+    if top_n:
+        top_lp_MxN, top_ids_MxN = jax.lax.top_k(logp_MxV, top_n)
+        top = (top_ids_MxN.astype(jnp.int32), top_lp_MxN.astype(jnp.float32))
+    return caches, jnp.where(jnp.arange(M) < n_valid, lp, 0.0), top
 
 
 def _copy_row(caches, src, dst_N):
@@ -175,12 +187,15 @@ def _copy_row(caches, src, dst_N):
 
 
 def _decode(model_def, params, model_state, caches, tok_B, pos_B, t_B, keys_Bx2, temp_B, top_k_B, top_p_B, min_p_B,
-            think=None, lora=None, *, steps: int, key_len: int, filtering: bool):  # fmt: skip
+            think=None, lora=None, *, steps: int, key_len: int, filtering: bool, top_n: int = 0):  # fmt: skip
     """`steps` decode steps of cache rows [0, B): feed tok_B at slot pos_B, sample the next.
 
     A row with pos_B >= the cache length is idle: it writes nothing and its outputs are
     ignored (it attends to every slot, so its numbers stay finite). Returns (caches, tokens,
-    full-softmax log-probs, sampling log-probs), each [steps, B] after caches.
+    full-softmax log-probs, sampling log-probs, top), the middle three [steps, B]; top is None,
+    or with top_n > 0 (static: a batch where some request asks for top log-probs) each step's
+    top_n most likely tokens and their log-probs under the tempered full softmax,
+    ([steps, B, top_n] int32, [steps, B, top_n] float32).
 
     think: None (no thinking budget in the batch: the plain program), or (budget_B,
     end_ids_BxM, end_len_B, recent_BxM): per row the budget (NO_BUDGET: none, or closed),
@@ -195,7 +210,7 @@ def _decode(model_def, params, model_state, caches, tok_B, pos_B, t_B, keys_Bx2,
     s = jnp.arange(key_len, dtype=jnp.int32)
 
     def body(i, carry):
-        caches, tok, pos, t, out_tok, out_lp, out_slp, state = carry
+        caches, tok, pos, t, out_tok, out_lp, out_slp, out_top, state = carry
         mask = (s[None, :] <= pos[:, None]) | (pos[:, None] >= key_len)
         if window is not None:
             mask = mask & ((pos[:, None] - s[None, :] < window) | (pos[:, None] >= key_len))
@@ -217,7 +232,12 @@ def _decode(model_def, params, model_state, caches, tok_B, pos_B, t_B, keys_Bx2,
         out_tok = out_tok.at[i].set(nxt)
         out_lp = out_lp.at[i].set(lp)
         out_slp = out_slp.at[i].set(slp)
-        return caches, nxt, pos + 1, t + 1, out_tok, out_lp, out_slp, state
+        if top_n:
+            x = logits[:, 0].astype(jnp.float32)
+            z = x / jnp.where(temp_B <= 0.0, 1.0, temp_B)[:, None]  # sample_rows's tempered softmax
+            top_lp, top_ids = jax.lax.top_k(jax.nn.log_softmax(z, axis=-1), top_n)
+            out_top = (out_top[0].at[i].set(top_ids.astype(jnp.int32)), out_top[1].at[i].set(top_lp))
+        return caches, nxt, pos + 1, t + 1, out_tok, out_lp, out_slp, out_top, state
 
     B = tok_B.shape[0]
     state = None
@@ -233,10 +253,11 @@ def _decode(model_def, params, model_state, caches, tok_B, pos_B, t_B, keys_Bx2,
         jnp.zeros((steps, B), jnp.int32),
         jnp.zeros((steps, B), jnp.float32),
         jnp.zeros((steps, B), jnp.float32),
+        (jnp.zeros((steps, B, top_n), jnp.int32), jnp.zeros((steps, B, top_n), jnp.float32)) if top_n else None,
         state,
     )
-    caches, _, _, _, out_tok, out_lp, out_slp, _ = jax.lax.fori_loop(0, steps, body, init)
-    return caches, out_tok, out_lp, out_slp
+    caches, _, _, _, out_tok, out_lp, out_slp, out_top, _ = jax.lax.fori_loop(0, steps, body, init)
+    return caches, out_tok, out_lp, out_slp, out_top
 
 
 # ----------------------------------------------------------------------------- host-side bookkeeping
@@ -250,6 +271,7 @@ class _SampleState:
     output: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     sampling_logprobs: list[float] = dataclasses.field(default_factory=list)
+    top: list[tuple[tuple[int, float], ...]] = dataclasses.field(default_factory=list)
     finish: FinishReason | None = None
     spans: list[list[Any]] = dataclasses.field(default_factory=list)  # [version, start]
     cached_tokens: int = 0
@@ -280,6 +302,8 @@ class _SampleState:
             weight_versions=tuple(spans),
             cached_tokens=self.cached_tokens,
             prompt_logprobs=req.prompt_logprobs,
+            top_logprobs=tuple(self.top) if req.request.top_logprobs_num else None,
+            prompt_top_logprobs=req.prompt_top_logprobs,
             queue_time_s=max(req.admit_time - t0, 0.0) if req.admit_time else 0.0,
             first_token_time_s=max(self.first_token_time - t0, 0.0) if self.first_token_time else 0.0,
             e2e_latency_s=max((self.end_time or time.time()) - t0, 0.0),
@@ -299,6 +323,7 @@ class _Request:
     samples: list[_SampleState] = dataclasses.field(default_factory=list)
     admit_time: float = 0.0
     prompt_logprobs: tuple[float, ...] | None = None
+    prompt_top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
     lora_slot: int = 0
 
 
@@ -413,11 +438,13 @@ class LocalEngine(EngineBase):
 
         # Jitted once here: static shapes by bucket; the cache is donated, so it updates in place.
         self._extend_fn = jax.jit(
-            _extend, static_argnames=("model_def", "key_len", "with_logprobs"), donate_argnames=("caches",)
+            _extend, static_argnames=("model_def", "key_len", "with_logprobs", "top_n"), donate_argnames=("caches",)
         )
         self._copy_fn = jax.jit(_copy_row, donate_argnums=(0,))
         self._decode_fn = jax.jit(
-            _decode, static_argnames=("model_def", "steps", "key_len", "filtering"), donate_argnames=("caches",)
+            _decode,
+            static_argnames=("model_def", "steps", "key_len", "filtering", "top_n"),
+            donate_argnames=("caches",),
         )
         # One program per (slot, adapter shape): a push is then one device call, not one per array.
         self._write_slot = jax.jit(write_slot, static_argnums=(1, 3), donate_argnums=(0,))
@@ -835,6 +862,12 @@ class LocalEngine(EngineBase):
         k = request.return_prompt_logprobs_from
         if k is not None and not 0 <= k < len(ids):
             raise RequestError(f"logprob_start_len={k} must be in [0, prompt length {len(ids)})")
+        top = request.top_logprobs_num
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise RequestError(
+                f"top_logprobs_num: must be an integer in [0, {MAX_TOP_LOGPROBS}] (alternatives per position), "
+                f"got {top!r}"
+            )
         if request.lora_path is not None:
             self._lora_slot(request.lora_path)  # loaded now; admission looks it up again
         if not request.rid:
@@ -1129,8 +1162,11 @@ class LocalEngine(EngineBase):
         L = prompt.size
         end = L - 1
         k = req.request.return_prompt_logprobs_from
+        want_top = req.request.top_logprobs_num if k is not None else 0
+        top_n = self._top_n(want_top)
         temperature = jnp.float32(req.request.sampling.temperature)
         lps: list[np.ndarray] = []
+        tops: list[tuple[np.ndarray, np.ndarray]] = []
         pos = start
         while pos < end:
             n_valid = min(end - pos, self.prefill_chunk)
@@ -1141,18 +1177,31 @@ class LocalEngine(EngineBase):
             tokens[0, :n_valid] = prompt[pos : pos + n_valid]
             targets = np.zeros((1, M), np.int32)
             targets[0, :n_valid] = prompt[pos + 1 : pos + 1 + n_valid]
-            self._caches, lp = self._extend_fn(
+            self._caches, lp, top = self._extend_fn(
                 self._model_def, self._params, self._model_state, self._caches, jnp.int32(row), jnp.asarray(tokens),
                 jnp.int32(pos), jnp.int32(n_valid), jnp.asarray(targets), temperature,
                 self._lora_args(np.array([req.lora_slot], np.int32)), key_len=key_len, with_logprobs=k is not None,
+                top_n=top_n,
             )  # fmt: skip
             if lp is not None:
                 lps.append(np.asarray(lp)[:n_valid])
+            if top is not None:
+                tops.append((np.asarray(top[0])[:n_valid, :want_top], np.asarray(top[1])[:n_valid, :want_top]))
             pos += n_valid
         if k is not None:
             # lps[i] is the log-prob of prompt[i + 1]; keep tokens max(k, 1) .. L - 1
             allp = np.concatenate(lps) if lps else np.zeros(0, np.float32)
             req.prompt_logprobs = tuple(float(x) for x in allp[max(k, 1) - 1 :])
+            if want_top:
+                ids = np.concatenate([t[0] for t in tops]) if tops else np.zeros((0, want_top), np.int32)
+                vals = np.concatenate([t[1] for t in tops]) if tops else np.zeros((0, want_top), np.float32)
+                req.prompt_top_logprobs = _top_entries(ids[max(k, 1) - 1 :], vals[max(k, 1) - 1 :])
+
+    def _top_n(self, wanted: int) -> int:
+        """The static top-k width a device call computes for `wanted` alternatives (0: none):
+        powers of two up to MAX_TOP_LOGPROBS, so a handful of programs serve every request,
+        never more than the vocabulary."""
+        return min(_bucket(wanted, 1, MAX_TOP_LOGPROBS), self.vocab_size) if wanted else 0
 
     def _copy_rows(self, src: int, dsts: list[int]) -> None:
         """Copy row src into every row of dsts (one call; the count padded to a power of two)."""
@@ -1192,7 +1241,9 @@ class LocalEngine(EngineBase):
         B = _bucket(int(active.max()) + 1, 1, self.max_running_requests)
         steps = self.decode_steps
         key_len = _bucket(int(self._pos[active].max()) + steps, 16, self.context_length)
-        self._caches, tok, lp, slp = self._decode_fn(
+        want_top = [self._row_sample[r].request.request.top_logprobs_num for r in active]
+        top_n = self._top_n(max(want_top))
+        self._caches, tok, lp, slp, top = self._decode_fn(
             self._model_def, self._decode_params, self._model_state, self._caches, jnp.asarray(self._tok[:B]),
             jnp.asarray(self._pos[:B]), jnp.asarray(self._t[:B]), jnp.asarray(self._keys[:B]),
             jnp.asarray(self._temp[:B]), jnp.asarray(self._top_k[:B]), jnp.asarray(self._top_p[:B]),
@@ -1200,20 +1251,29 @@ class LocalEngine(EngineBase):
             steps=steps, key_len=key_len,
             filtering=filters(self._temp[active], self._top_k[active], self._top_p[active], self._min_p[active],
                               self.vocab_size),
+            top_n=top_n,
         )  # fmt: skip
         tok, lp, slp = np.asarray(tok), np.asarray(lp), np.asarray(slp)
+        top_ids, top_lp = (np.asarray(top[0]), np.asarray(top[1])) if top is not None else (None, None)
         self.stats["decode_calls"] += 1
         now = time.time()
         touched: dict[int, _Request] = {}
         for r in active:
             s = self._row_sample[r]
             req = s.request
+            n_top = req.request.top_logprobs_num
             taken = 0
             for i in range(steps):
                 token = int(tok[i, r])
                 s.output.append(token)
                 s.logprobs.append(float(lp[i, r]))
                 s.sampling_logprobs.append(float(slp[i, r]))
+                if n_top:
+                    # The drawn token's entry is its recorded log-prob: the top-k's log-softmax
+                    # rounds differently in the last bit, and a client comparing the two (is
+                    # this the greedy token?) must see one number.
+                    alts = _top_entries(top_ids[i, r, None, :n_top], top_lp[i, r, None, :n_top])[0]
+                    s.top.append(tuple((t, s.logprobs[-1] if t == token else v) for t, v in alts))
                 taken += 1
                 if not s.first_token_time:
                     s.first_token_time = now
@@ -1244,6 +1304,14 @@ class LocalEngine(EngineBase):
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def _top_entries(ids_PxN: np.ndarray, logprobs_PxN: np.ndarray) -> tuple[tuple[tuple[int, float], ...], ...]:
+    """Per position, its (token id, log-prob) alternatives, as `Sample.top_logprobs` holds them."""
+    return tuple(
+        tuple((int(t), float(v)) for t, v in zip(ids, vals))
+        for ids, vals in zip(ids_PxN.tolist(), logprobs_PxN.tolist())
+    )
 
 
 def eos_ids_of(path: str) -> tuple[int, ...]:

@@ -66,6 +66,9 @@ THINK_END_TEXT = "</think>"
 """The end-of-thinking text whose token ids the HTTP server forces (its tokenizer's encoding)."""
 TOP_K_OFF = 1 << 30
 """SGLang's top_k default ("all tokens"); any top_k <= 0 or >= the vocabulary is also off."""
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives a position's top log-probs may list (`GenerateRequest.top_logprobs_num`):
+the cap of OpenAI's chat `top_logprobs` and vLLM's default `max_logprobs`."""
 
 
 class EngineUnavailable(RuntimeError):
@@ -277,6 +280,12 @@ class GenerateRequest:
     lora_path: str | None = None
     """The LoRA adapter to sample with, by the name it was loaded under (SGLang's `lora_path`);
     None: the base model."""
+    top_logprobs_num: int = 0
+    """0: no top log-probs. k in [1, MAX_TOP_LOGPROBS] (SGLang's top_logprobs_num): also the k
+    most likely tokens and their log-probs, under the same tempered softmax as `logprobs`, at
+    every output position and, with return_prompt_logprobs_from, every prompt position that
+    has a log-prob. A scorer needs them to tell whether a continuation is the greedy one
+    (lm-evaluation-harness's is_greedy); they cost a top-k over the vocabulary per position."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "input_ids", tuple(self.input_ids))
@@ -334,6 +343,12 @@ class Sample:
     prompt_logprobs: tuple[float, ...] | None = None
     """With GenerateRequest.return_prompt_logprobs_from = k: log-probs of prompt tokens
     max(k, 1) .. L-1 (k = 0 or 1: all but the first)."""
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    """With GenerateRequest.top_logprobs_num = N: per output token, the N most likely tokens
+    at its position as (token id, log-prob), most likely first."""
+    prompt_top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    """With top_logprobs_num = N and prompt log-probs asked: the same for each prompt token of
+    `prompt_logprobs`, aligned with it."""
     queue_time_s: float = 0.0
     """Seconds from submission to admission (prefill start)."""
     first_token_time_s: float = 0.0

@@ -17,7 +17,9 @@ Facts this module encodes (SGLang 0.5.23, `srt/managers/io_struct.py` GenerateRe
 - a batch's string `rid` names prompt i `f"{rid}_{i}"`; a list gives one rid a prompt;
 - `logprob_start_len` -1 (the default) returns output log-probs only; k >= 0 also returns
   `input_token_logprobs` for prompt tokens k.., the first of them with log-prob null;
-- log-prob entries are `[logprob, token_id, text | null]` triples;
+- log-prob entries are `[logprob, token_id, text | null]` triples; with return_logprob,
+  `top_logprobs_num` k >= 1 adds `output_top_logprobs` (a list of k entries a token) and, with
+  `logprob_start_len` >= 0, `input_top_logprobs` (null for the first prompt token);
 - unknown top-level keys are ignored (SGLang's schema says so); unknown `sampling_params`
   keys are refused (`SamplingParams.from_dict`);
 - `lora_path` names a loaded LoRA adapter (by its name, not a folder): one for every prompt,
@@ -39,7 +41,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ptrain.rollout.protocol import FinishReason, GenerateRequest, RequestError, Sample, SamplingParams, WeightSpan
+from ptrain.rollout.protocol import (
+    MAX_TOP_LOGPROBS,
+    FinishReason,
+    GenerateRequest,
+    RequestError,
+    Sample,
+    SamplingParams,
+    WeightSpan,
+)
 
 # GenerateReqInput fields this server reads (their SGLang defaults).
 IMPLEMENTED_FIELDS: dict[str, Any] = {
@@ -293,6 +303,14 @@ def _check_int(x: Any, where: str) -> int:
     return x
 
 
+def _check_top_logprobs_num(x: Any, where: str) -> int:
+    if not _is_int(x) or not 0 <= x <= MAX_TOP_LOGPROBS:
+        raise RequestError(
+            f"{where}: must be an integer in [0, {MAX_TOP_LOGPROBS}] (alternatives per position), got {x!r}"
+        )
+    return x
+
+
 def _token_ids(x: Any, where: str) -> list[int]:
     if not isinstance(x, list) or not all(_is_int(t) for t in x):
         raise RequestError(f"{where}: must be a list of integer token ids, got {type_name(x)}")
@@ -409,13 +427,12 @@ def parse_generate(body: Any, *, tokenize: Callable[[str], list[int]] | None = N
                 f"{key}: this server does not implement it; leave it out (SGLang's default is {default!r})"
                 + INSTEAD.get(key, "")
             )
-    for key in ("top_logprobs_num", "token_ids_logprob"):
-        v = body.get(key)
-        if v not in (None, 0, []) and not (isinstance(v, list) and all(x in (0, None) for x in v)):
-            raise RequestError(
-                f"{key}: top-k and chosen-token log-probs are not implemented; leave it out "
-                "(return_logprob gives the sampled tokens' log-probs)"
-            )
+    v = body.get("token_ids_logprob")
+    if v not in (None, []) and not (isinstance(v, list) and all(x in ([], None) for x in v)):
+        raise RequestError(
+            "token_ids_logprob: chosen-token log-probs are not implemented; leave it out (top_logprobs_num "
+            "gives the most likely tokens' log-probs, return_logprob the sampled tokens')"
+        )
     prompts, single = prompts_of(body, tokenize)
     count = len(prompts)
     sp = body.get("sampling_params")
@@ -433,10 +450,11 @@ def parse_generate(body: Any, *, tokenize: Callable[[str], list[int]] | None = N
     stream = expect_bool(body, "stream", False)
     return_logprob = _per_prompt(body, "return_logprob", count, False, _check_bool, n)
     start = _per_prompt(body, "logprob_start_len", count, -1, _check_int, n)
+    top = _per_prompt(body, "top_logprobs_num", count, 0, _check_top_logprobs_num, n)
     rids = _rids(body, count, single)
     loras = lora_paths_of(body.get("lora_path"), count)
     requests = []
-    for i, (ids, (params, _), k, want) in enumerate(zip(prompts, parsed, start, return_logprob)):
+    for i, (ids, (params, _), k, want, n_top) in enumerate(zip(prompts, parsed, start, return_logprob, top)):
         where = "logprob_start_len" if single else f"logprob_start_len[{i}]"
         if k < -1:
             raise RequestError(f"{where}: must be -1 (output log-probs only) or a prompt position >= 0, got {k}")
@@ -449,6 +467,7 @@ def parse_generate(body: Any, *, tokenize: Callable[[str], list[int]] | None = N
                 rid=rids[i],
                 return_prompt_logprobs_from=k if want and k >= 0 else None,
                 lora_path=loras[i],
+                top_logprobs_num=n_top if want else 0,  # SGLang returns top log-probs with return_logprob only
             )
         )
     known = {**IMPLEMENTED_FIELDS, **NO_EFFECT_FIELDS, **DEFAULT_ONLY_FIELDS}
@@ -480,6 +499,21 @@ def logprob_entries(
     return [[None if lp is None else finite_or_none(lp), t, s] for lp, t, s in zip(logprobs, token_ids, texts)]
 
 
+def top_entries(
+    alternatives: Sequence[tuple[int, float]], token_texts: Callable[[Sequence[int]], list[str]] | None
+) -> list[list]:
+    """One position's top log-probs as SGLang's `[logprob, token_id, text | null]` triples."""
+    ids = [t for t, _ in alternatives]
+    return logprob_entries([lp for _, lp in alternatives], ids, token_texts(ids) if token_texts else None)
+
+
+def _top_of(entries: Any) -> tuple[tuple[int, float], ...] | None:
+    """SGLang's triples of one position -> (token id, log-prob) pairs; None stays None."""
+    if entries is None:
+        return None
+    return tuple((int(e[1]), math.nan if e[0] is None else float(e[0])) for e in entries)
+
+
 def meta_info(sample: Sample) -> dict[str, Any]:
     """SGLang's `meta_info` for a sample (no log-prob lists), with its weight-version spans."""
     meta = sample.meta_info()
@@ -508,6 +542,8 @@ def generate_item(
         out_texts = token_texts(sample.output_ids) if token_texts else None
         meta["output_token_logprobs"] = logprob_entries(sample.logprobs, sample.output_ids, out_texts)
         meta["output_token_logprobs_length"] = len(sample.output_ids)
+        if sample.top_logprobs is not None:
+            meta["output_top_logprobs"] = [top_entries(t, token_texts) for t in sample.top_logprobs]
         if logprob_start_len >= 0 and sample.prompt_logprobs is not None:
             # SGLang answers tokens k.. with a null first log-prob: the values of tokens k+1..
             # are the last len(ids) - 1 the engine returned (an engine may also give token k's).
@@ -515,6 +551,10 @@ def generate_item(
             tail = sample.prompt_logprobs[len(sample.prompt_logprobs) - (len(ids) - 1) :] if len(ids) > 1 else ()
             values = [None, *tail]
             meta["input_token_logprobs"] = logprob_entries(values, ids, token_texts(ids) if token_texts else None)
+            if sample.prompt_top_logprobs is not None:
+                tops = sample.prompt_top_logprobs
+                tops = tops[len(tops) - (len(ids) - 1) :] if len(ids) > 1 else ()
+                meta["input_top_logprobs"] = [None, *(top_entries(t, token_texts) for t in tops)]
         else:
             meta["input_token_logprobs"] = []
     item: dict[str, Any] = {}
@@ -564,6 +604,8 @@ def sample_from_item(item: dict, prompt_ids: Sequence[int], *, index: int = 0) -
     logprobs = tuple(math.nan if e[0] is None else float(e[0]) for e in entries)
     spans = tuple(WeightSpan(s["version"], s["start"], s["end"]) for s in meta.get("weight_versions") or ())
     inputs = meta.get("input_token_logprobs") or []
+    tops = meta.get("output_top_logprobs")
+    input_tops = meta.get("input_top_logprobs")
     rid = meta.get("id", "")
     return Sample(
         rid=rid,
@@ -577,5 +619,7 @@ def sample_from_item(item: dict, prompt_ids: Sequence[int], *, index: int = 0) -
         weight_versions=spans,
         cached_tokens=meta.get("cached_tokens", 0),
         prompt_logprobs=tuple(float(e[0]) for e in inputs[1:]) if inputs else None,
+        top_logprobs=None if tops is None else tuple(_top_of(t) or () for t in tops),
+        prompt_top_logprobs=None if not input_tops else tuple(_top_of(t) or () for t in input_tops[1:]),
         e2e_latency_s=meta.get("e2e_latency") or 0.0,
     )

@@ -6,9 +6,14 @@
                  strings, shutdown
   openai_api.py  the OpenAI-compatible routes (/v1/completions, /v1/chat/completions,
                  /v1/models), tool-call parsing
+  tokenizer_api.py  /tokenize, /detokenize, /tokenizer_info (remote tokenizers: lm-eval's)
+  lm_harness.py  lm-evaluation-harness tasks against an in-process server (the eval stage's
+                 algo.eval.lm_eval)
 
-Serving sits above the engines (ptrain.rollout): the fleet client and the stages never import
-it; they reach a server over HTTP.
+Serving sits above the engines (ptrain.rollout): the fleet client never imports it, and the
+stages reach a server over HTTP, except the eval stage, which serves its own engine in process
+for lm-eval through lm_harness.py (a server process of its own would hold a second copy of the
+weights).
 """
 
 from ptrain.serve.cli import build_parser, main

@@ -5,17 +5,30 @@ and `serving_*.py`), so agent harnesses and environment libraries that speak Ope
 unchanged:
 - completions: `prompt` is a string, a list of strings, token ids or a list of token-id
   lists; choice i*n + j is sample j of prompt i; `logprobs: 0` returns the sampled tokens'
-  log-probs (`echo` with it also the prompt's); `return_token_ids` adds `token_ids` and
-  `prompt_token_ids` to each choice;
+  log-probs (`echo` with it also the prompt's); `logprobs: N` (1 to 20) also `top_logprobs`, one
+  `{token text: log-prob}` object a token with the N most likely tokens at its position (and the
+  token itself, as OpenAI and vLLM add it), the first prompt token's null; `echo` with
+  `max_tokens: 0` scores a prompt without sampling (what lm-evaluation-harness's loglikelihood
+  requests need); `text_offset` is each token's character offset in the choice's text (by the
+  token texts); `return_token_ids` adds `token_ids` and `prompt_token_ids` to each choice;
 - chat: the model folder's chat template (or --chat-template) renders `messages` and `tools`;
-  Qwen 2.5 / Hermes `<tool_call>{json}</tool_call>` blocks in the output become
-  `message.tool_calls` (finish_reason "tool_calls"); `logprobs: true` gives
+  Qwen 2.5 / Hermes `<tool_call>{"name", "arguments"}</tool_call>` blocks in the output that
+  name a declared tool become `message.tool_calls` (ids `call_...`, arguments a JSON string;
+  finish_reason "tool_calls"), streamed as OpenAI streams them (`delta.tool_calls`: index, id,
+  type and name, then the arguments) once each block closes; a block that is not such a call
+  stays in the content as written. `tool_choice` "auto" (the default with tools) and "none"
+  (tools not rendered) as OpenAI's; "required" and a named function start the reply with the
+  call's opening (`<tool_call>`, or the call up to its arguments), which the model completes:
+  no grammar holds the arguments to the tool's schema (a tool's `strict` is accepted, not
+  enforced). `parallel_tool_calls: false` keeps the first call. `tool` messages and assistant
+  messages with `tool_calls` render back through the template (arguments as objects);
+  `logprobs: true` gives
   `choices[].logprobs.content`; `return_token_ids` adds `prompt_token_ids` and
   `response_token_ids`;
 - sampling the request leaves out comes from the model's generation_config.json, then
   OpenAI's defaults; `stop` strings and `stop_token_ids` end a sample;
 - unknown fields are ignored, as SGLang's pydantic models ignore them; fields for features
-  this engine lacks (penalties, logit_bias, grammars, top log-probs, ...) are a 400 unless they
+  this engine lacks (penalties, logit_bias, grammars, chat top log-probs, ...) are a 400 unless they
   hold the default;
 - a thinking budget (reasoning tokens at most, then the server forces `</think>`) is the
   integer `thinking_budget`, our extension of OpenAI's schema, or SGLang's
@@ -34,7 +47,6 @@ Errors use SGLang's OpenAI ErrorResponse: `{"object": "error", "message", "type"
 from __future__ import annotations
 
 import json
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -45,7 +57,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from ptrain.rollout import sglang_wire as wire
-from ptrain.rollout.protocol import GenerateRequest, RequestError
+from ptrain.rollout.protocol import MAX_TOP_LOGPROBS, GenerateRequest, RequestError
 from ptrain.serve.server import (
     Frontend,
     HTTPError,
@@ -91,8 +103,9 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "thinking": None,
     "task": None,
 }
-TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+TOOL_CHOICES = ("none", "auto", "required")
 
 
 def openai_error(status: int, message: str, err_type: str = "BadRequestError", param: str | None = None) -> Response:
@@ -285,6 +298,7 @@ def _submit(
     watch: bool,
     loras: list[str | None],
     lora_field: str,
+    top_logprobs: int = 0,
 ) -> Job:
     """Validate `sampling` (SGLang names) and submit one engine request a prompt, request i
     with adapter loras[i] (None: the base model) named by the request's `lora_field`."""
@@ -301,6 +315,7 @@ def _submit(
             rid=rid,
             return_prompt_logprobs_from=0 if prompt_logprobs else None,
             lora_path=lora,
+            top_logprobs_num=top_logprobs,
         )
         for ids, rid, lora in zip(prompts, rids, loras)
     ]
@@ -404,18 +419,57 @@ def completion_prompts(prompt: Any, front: Frontend) -> tuple[list[list[int]], l
     return prompts, list(texts)
 
 
-def _completion_logprobs(front: Frontend, views: Sequence[SampleView], echo_prompt: bool) -> dict[str, Any]:
+def _token_texts(front: Frontend, ids: Sequence[int]) -> list[str]:
+    return front.detok.token_texts(ids) if front.detok else [""] * len(ids)
+
+
+def _top_dict(front: Frontend, alternatives: Sequence[tuple[int, float]], token: int, logprob: float) -> dict:
+    """One position's `{token text: log-prob}`: its most likely tokens, most likely first, and the
+    token itself if it is not among them (OpenAI's legacy API and vLLM add it). Two ids with the
+    same text keep the larger log-prob."""
+    pairs = [*alternatives, *([] if any(t == token for t, _ in alternatives) else [(token, logprob)])]
+    out: dict[str, float | None] = {}
+    for text, (_, lp) in zip(_token_texts(front, [t for t, _ in pairs]), pairs):
+        out.setdefault(text, wire.finite_or_none(lp))
+    return out
+
+
+def _aligned(row: list, length: int) -> list:
+    """`row` cut or padded with None to `length` entries (an engine that gave fewer)."""
+    return (row + [None] * length)[:length]
+
+
+def _completion_logprobs(
+    front: Frontend, views: Sequence[SampleView], echo_prompt: bool, top: int = 0
+) -> dict[str, Any]:
+    """A completion choice's `logprobs` object: tokens (prompt ones too with echo), their
+    log-probs, with top >= 1 each position's `_top_dict` (else an empty list, as for logprobs: 0),
+    and each token's character offset in the choice's text."""
     tokens: list[str] = []
     values: list[float | None] = []
+    tops: list[dict | None] = []
     for view in views:
         s = view.sample
         if echo_prompt:
             ids = list(s.prompt_ids)
-            tokens += front.detok.token_texts(ids) if front.detok else [""] * len(ids)
-            values += [None, *(wire.finite_or_none(x) for x in s.prompt_logprobs or ())][: len(ids)]
-        tokens += front.detok.token_texts(s.output_ids) if front.detok else [""] * len(s.output_ids)
+            lps = list(s.prompt_logprobs or ())
+            tokens += _token_texts(front, ids)
+            values += _aligned([None, *(wire.finite_or_none(x) for x in lps)], len(ids))
+            if top:
+                alts = s.prompt_top_logprobs or ()
+                row = [None, *(_top_dict(front, a, t, lp) for a, t, lp in zip(alts, ids[1:], lps))]
+                tops += _aligned(row, len(ids))
+        tokens += _token_texts(front, s.output_ids)
         values += [wire.finite_or_none(x) for x in s.logprobs]
-    return {"text_offset": [-1] * len(tokens), "token_logprobs": values, "tokens": tokens, "top_logprobs": []}
+        if top:
+            alts = s.top_logprobs or ()
+            row = [_top_dict(front, a, t, lp) for a, t, lp in zip(alts, s.output_ids, s.logprobs)]
+            tops += _aligned(row, len(s.output_ids))
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"text_offset": offsets, "token_logprobs": values, "tokens": tokens, "top_logprobs": tops if top else []}
 
 
 async def completions(request: Request) -> Response:
@@ -428,14 +482,17 @@ async def completions(request: Request) -> Response:
     _refuse_unsupported(body)
     prompts, texts = completion_prompts(body.get("prompt"), front)
     max_tokens = _int_field(body, "max_tokens", 16)
-    if max_tokens <= 0:
-        raise RequestError("max_tokens must be positive")
-    logprobs = _int_field(body, "logprobs", None, minimum=0)
-    if logprobs:
-        raise RequestError(
-            "logprobs: top log-probs are not implemented; pass logprobs: 0 for the sampled tokens' log-probs"
-        )
     echo = bool(body.get("echo", False))
+    if max_tokens < 0 or (max_tokens == 0 and not echo):
+        raise RequestError(
+            f"max_tokens must be positive, got {max_tokens} (0 only with echo: true, to score the prompt)"
+        )
+    logprobs = _int_field(body, "logprobs", None)
+    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise RequestError(
+            f"logprobs: must be an integer in [0, {MAX_TOP_LOGPROBS}] (0: the tokens' own log-probs; N: also the "
+            f"N most likely tokens at each position), got {logprobs}; pass at most {MAX_TOP_LOGPROBS}"
+        )
     n = _int_field(body, "n", 1)
     best_of = body.get("best_of")
     if best_of not in (None, n):
@@ -456,6 +513,7 @@ async def completions(request: Request) -> Response:
         watch=stream,
         loras=loras,
         lora_field=lora_field,
+        top_logprobs=logprobs or 0,
     )
     n = job.requests[0].sampling.n
     echo_texts = None
@@ -495,10 +553,10 @@ async def completions(request: Request) -> Response:
                     c = choice(i, view, text=delta)
                     start = sent_tokens.get(key, 0)
                     if logprobs is not None:
-                        part = _completion_logprobs(front, [view], echo and first)
-                        skip = 0 if (echo and first) else start
-                        c["logprobs"] = {k: v[skip:] for k, v in part.items() if k != "top_logprobs"}
-                        c["logprobs"]["top_logprobs"] = []
+                        # the whole choice's object, so that offsets count the text sent before
+                        part = _completion_logprobs(front, [view], echo, logprobs)
+                        skip = 0 if first else start + (len(view.sample.prompt_ids) if echo else 0)
+                        c["logprobs"] = {k: v[skip:] for k, v in part.items()}
                     if return_token_ids:
                         c["token_ids"] = list(view.sample.output_ids[start:])
                         if not first:
@@ -542,7 +600,7 @@ async def completions(request: Request) -> Response:
             text = (echo_texts[i] if echo_texts else "") + (view.text or "")
             c = choice(i, view, text=text)
             if logprobs is not None:
-                c["logprobs"] = _completion_logprobs(front, [view], echo)
+                c["logprobs"] = _completion_logprobs(front, [view], echo, logprobs)
             choices.append(c)
     return json_response(
         {
@@ -594,19 +652,37 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
         msg: dict[str, Any] = {"role": role.lower(), "content": _message_content(m.get("content"), where)}
         if msg["role"] == "user" and msg["content"] is None:
             raise RequestError(f"{where}.content: a user message needs content")
+        if msg["role"] == "tool" and msg["content"] is None:
+            raise RequestError(f"{where}.content: a tool message needs content (the tool's result, a string)")
         for key in ("name", "tool_call_id", "reasoning_content"):
             if m.get(key) is not None:
+                if not isinstance(m[key], str):
+                    raise RequestError(f"{where}.{key}: must be a string, got {wire.type_name(m[key])}")
                 msg[key] = m[key]
         calls = m.get("tool_calls")
         if calls:
             if not isinstance(calls, list):
                 raise RequestError(f"{where}.tool_calls: must be a list, got {wire.type_name(calls)}")
+            if msg["role"] != "assistant":
+                raise RequestError(f"{where}.tool_calls: only assistant messages carry tool calls, not {role!r}")
             msg["tool_calls"] = []
             for j, call in enumerate(calls):
                 fn = call.get("function") if isinstance(call, dict) else None
                 if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                    raise RequestError(f"{where}.tool_calls[{j}]: needs function.name and function.arguments")
-                arguments = fn.get("arguments")
+                    raise RequestError(
+                        f"{where}.tool_calls[{j}]: must be {{'id': ..., 'type': 'function', 'function': "
+                        "{'name': ..., 'arguments': '<JSON object>'}}, as the server returned it"
+                    )
+                if call.get("type", "function") != "function":
+                    raise RequestError(
+                        f"{where}.tool_calls[{j}].type: only 'function' calls are supported, got {call['type']!r}"
+                    )
+                arguments = {} if fn.get("arguments") is None else fn["arguments"]
+                if not isinstance(arguments, (str, dict)):
+                    raise RequestError(
+                        f"{where}.tool_calls[{j}].function.arguments: must be a JSON object as a string, "
+                        f"got {wire.type_name(arguments)}"
+                    )
                 if isinstance(arguments, str):
                     try:
                         arguments = json.loads(arguments) if arguments.strip() else {}
@@ -619,30 +695,85 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
-def chat_tools(body: dict) -> list[dict] | None:
-    """The request's tools (None: no tool calls to render or parse); named/required choices are refused."""
+def tool_names(body: dict) -> list[str]:
+    """The names of the request's `tools`, each checked to be an OpenAI function tool."""
+    for key in ("functions", "function_call"):
+        if body.get(key) is not None:
+            raise RequestError(f"{key}: the deprecated functions API is not supported; send tools and tool_choice")
     tools = body.get("tools")
-    choice = body.get("tool_choice")
-    if choice is None:
-        choice = "auto" if tools else "none"
-    if isinstance(choice, dict) or choice == "required":
-        raise RequestError(
-            "tool_choice: 'required' and named tools need constrained decoding, which this server does not "
-            "implement; use 'auto' or 'none'"
-        )
-    if choice not in ("auto", "none"):
-        raise RequestError(f"tool_choice: must be 'auto' or 'none', got {choice!r}")
-    if not tools or choice == "none":
-        return None
+    if tools is None:
+        return []
     if not isinstance(tools, list):
         raise RequestError(f"tools: must be a list of tool objects, got {wire.type_name(tools)}")
+    names: list[str] = []
     for i, tool in enumerate(tools):
+        kind = tool.get("type", "function") if isinstance(tool, dict) else None
+        if kind not in ("function", None):
+            raise RequestError(f"tools[{i}].type: only 'function' tools are supported, got {kind!r}")
         fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise RequestError(
-                f"tools[{i}]: must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}"
+                f"tools[{i}]: must be {{'type': 'function', 'function': {{'name': ..., 'parameters': {{...}}}}}}"
             )
-    return tools
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise RequestError(
+                f"tools[{i}].function.parameters: must be a JSON Schema object, got {wire.type_name(fn['parameters'])}"
+            )
+        if fn["name"] in names:
+            raise RequestError(f"tools[{i}].function.name: {fn['name']!r} is declared twice; tool names must be unique")
+        names.append(fn["name"])
+    return names
+
+
+def tool_choice_of(body: dict, names: Sequence[str]) -> tuple[str, str | None]:
+    """(mode, function) of the request's `tool_choice`: mode "none", "auto", "required" or
+    "function" (then `function` is the tool's name). Leaving it out means "auto" with tools,
+    else "none", as OpenAI has it."""
+    choice = body.get("tool_choice")
+    named = "{'type': 'function', 'function': {'name': ...}}"
+    if choice is None:
+        return ("auto" if names else "none"), None
+    if isinstance(choice, str):
+        if choice not in TOOL_CHOICES:
+            raise RequestError(f"tool_choice: must be 'none', 'auto', 'required' or {named}, got {choice!r}")
+        if choice == "required" and not names:
+            raise RequestError("tool_choice: 'required' needs tools to call; declare them in tools")
+        return choice, None
+    if not isinstance(choice, dict):
+        raise RequestError(f"tool_choice: must be 'none', 'auto', 'required' or {named}, got {wire.type_name(choice)}")
+    fn = choice.get("function")
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if choice.get("type") != "function" or not isinstance(name, str):
+        raise RequestError(
+            f"tool_choice: a named tool is {named}; other kinds (allowed_tools, custom) are not supported, "
+            f"got {json.dumps(choice)[:200]}"
+        )
+    if name not in names:
+        declared = ", ".join(repr(n) for n in names) or "none"
+        raise RequestError(f"tool_choice.function.name: {name!r} is not a declared tool (tools: {declared})")
+    return "function", name
+
+
+def chat_tools(body: dict) -> list[dict] | None:
+    """The request's tools for the chat template: None when it declares none or tool_choice is
+    "none" (no tools rendered, no calls parsed, as SGLang does). RequestError names a malformed
+    tool, tool_choice or parallel_tool_calls."""
+    names = tool_names(body)
+    mode, _ = tool_choice_of(body, names)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise RequestError(f"parallel_tool_calls: must be true or false, got {wire.type_name(parallel)}")
+    return body["tools"] if names and mode != "none" else None
+
+
+def tool_prefill(mode: str, function: str | None) -> str:
+    """The text the reply starts with for tool_choice `mode`: a "required" reply opens a call, a
+    named one is the call up to its arguments (Qwen 2.5's layout); the model writes the rest."""
+    if mode == "required":
+        return TOOL_CALL_OPEN
+    if mode == "function":
+        return f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(function, ensure_ascii=False)}, "arguments": '
+    return ""
 
 
 def render_chat(front: Frontend, body: dict) -> tuple[list[int], list[dict] | None]:
@@ -680,35 +811,114 @@ def render_chat(front: Frontend, body: dict) -> tuple[list[int], list[dict] | No
     return ids, tools
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
-    """Qwen 2.5 / Hermes tool calls: (the text outside the `<tool_call>` blocks, OpenAI tool_calls).
-    A block that is not JSON with a "name" stays in the text."""
-    calls: list[dict[str, Any]] = []
-    kept: list[str] = []
-    last = 0
-    for m in TOOL_CALL.finditer(text):
-        try:
-            obj = json.loads(m.group(1))
-        except ValueError:
-            continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            continue
-        arguments = obj.get("arguments", obj.get("parameters", {}))
-        calls.append(
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "index": len(calls),
-                "type": "function",
-                "function": {
-                    "name": obj["name"],
-                    "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False),
-                },
-            }
-        )
-        kept.append(text[last : m.start()])
-        last = m.end()
-    kept.append(text[last:])
-    return "".join(kept).strip() if calls else text, calls
+def _tool_call(block: str, names: frozenset[str] | None, index: int) -> dict[str, Any] | None:
+    """The OpenAI tool call a `<tool_call>` block's inside holds: JSON with a string "name" (one of
+    `names` when given) and "arguments" (or "parameters"); else None."""
+    try:
+        obj = json.loads(block)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    if names is not None and obj["name"] not in names:
+        return None
+    arguments = obj.get("arguments", obj.get("parameters"))
+    if arguments is None:
+        arguments = {}
+    return {
+        "index": index,
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {
+            "name": obj["name"],
+            "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False),
+        },
+    }
+
+
+class ToolCallStream:
+    """Qwen 2.5 / Hermes tool calls out of one sample's text as it grows; the stream and the
+    whole answer both read the text through one of these, so they agree.
+
+    `feed(text, final)` takes the text so far and returns what it settles, in order:
+    ("content", str) and ("call", OpenAI tool call) events. A `<tool_call>{"name": ...,
+    "arguments": ...}</tool_call>` block naming a declared tool (any name when `names` is None)
+    is a call, and whitespace next to it is dropped; a block that is not such a call, or never
+    closes, stays in the content as written. Text that may open a block is held back until it
+    does or does not. With `parallel` false, calls after the first are dropped. A text without
+    calls comes out unchanged."""
+
+    def __init__(self, names: Sequence[str] | None = None, *, parallel: bool = True):
+        self.names = None if names is None else frozenset(names)
+        self.parallel = parallel
+        self.calls: list[dict[str, Any]] = []
+        self._pos = 0  # characters of the text settled
+        self._held = ""  # whitespace: dropped if a call follows, else content
+        self._sep = ""  # the whitespace before the last call: back between content on either side
+        self._after_call = False
+        self._wrote = False  # any content out yet
+
+    def feed(self, text: str, final: bool = False) -> list[tuple[str, Any]]:
+        out: list[tuple[str, Any]] = []
+        while True:
+            rest = text[self._pos :]
+            at = rest.find(TOOL_CALL_OPEN)
+            if at < 0:
+                safe = len(rest) - (0 if final else held_back(rest, [TOOL_CALL_OPEN]))
+                self._text(rest[:safe], out)
+                self._pos += safe
+                break
+            self._text(rest[:at], out)
+            end = rest.find(TOOL_CALL_CLOSE, at + len(TOOL_CALL_OPEN))
+            if end < 0:
+                if final:  # never closed: content as written
+                    self._content(rest[at:], out)
+                    self._pos = len(text)
+                else:
+                    self._pos += at
+                break
+            block = rest[at : end + len(TOOL_CALL_CLOSE)]
+            self._pos += end + len(TOOL_CALL_CLOSE)
+            call = _tool_call(rest[at + len(TOOL_CALL_OPEN) : end].strip(), self.names, len(self.calls))
+            if call is None:
+                self._content(block, out)
+                continue
+            self._sep, self._held, self._after_call = (self._held if self._wrote else ""), "", True
+            if self.parallel or not self.calls:
+                self.calls.append(call)
+                out.append(("call", call))
+        if final and self._held:
+            self._content("", out)
+        return out
+
+    def _text(self, piece: str, out: list) -> None:
+        if self._after_call:
+            piece = piece.lstrip()
+            if not piece:
+                return
+            self._after_call, self._held = False, self._sep
+        whole = self._held + piece
+        body = whole.rstrip()
+        if body:
+            out.append(("content", body))
+            self._wrote = True
+        self._held = whole[len(body) :]
+
+    def _content(self, piece: str, out: list) -> None:
+        if self._after_call:
+            self._after_call, self._held = False, self._sep
+        if self._held + piece:
+            out.append(("content", self._held + piece))
+            self._wrote = True
+        self._held = ""
+
+
+def parse_tool_calls(text: str, names: Sequence[str] | None = None) -> tuple[str, list[dict[str, Any]]]:
+    """(the content, OpenAI tool calls) of a whole answer, as `ToolCallStream` reads it: the text
+    itself when it holds no call."""
+    stream = ToolCallStream(names)
+    content = "".join(value for kind, value in stream.feed(text, final=True) if kind == "content")
+    return content, stream.calls
 
 
 def _token_bytes(front: Frontend, ids: Sequence[int], texts: Sequence[str]) -> list[list[int]]:
@@ -769,6 +979,32 @@ async def chat_completions(request: Request) -> Response:
         raise RequestError(f"the body must be a JSON object, got {wire.type_name(body)}")
     _refuse_unsupported(body)
     prompt, tools = render_chat(front, body)
+    names = tool_names(body) if tools is not None else []
+    mode, function = tool_choice_of(body, names)
+    parse_tools = tools is not None and front.effective_tool_call_parser() is not None
+    if tools is not None and not parse_tools and front.tool_call_parser == "auto":
+        raise RequestError(
+            "tools: this server cannot parse tool calls: the chat template writes no <tool_call> blocks; start "
+            "it with --chat-template FILE (a template that renders tools and writes calls as <tool_call> "
+            "blocks), --tool-call-parser qwen25 if the model writes those anyway, or --tool-call-parser none "
+            "to get its raw text"
+        )
+    if mode in ("required", "function") and not parse_tools:
+        raise RequestError(
+            f"tool_choice: {body['tool_choice']!r} needs a tool-call parser, and this server runs with "
+            "--tool-call-parser none; send 'auto' or 'none'"
+        )
+    prefill = tool_prefill(mode, function)
+    if prefill:
+        if body.get("continue_final_message"):
+            raise RequestError(
+                "tool_choice: 'required' or a named tool starts a new reply, so it cannot continue_final_message; "
+                "send tool_choice 'auto' or drop continue_final_message"
+            )
+        if front.detok is None:
+            raise RequestError("tool_choice: 'required' or a named tool needs the tokenizer; send 'auto'")
+        prompt = [*prompt, *front.detok.encode(prefill, add_special_tokens=False)]
+    parallel = body.get("parallel_tool_calls") is not False
     logprobs = body.get("logprobs", False)
     if not isinstance(logprobs, bool):
         raise RequestError(f"logprobs: must be true or false, got {wire.type_name(logprobs)}")
@@ -794,26 +1030,33 @@ async def chat_completions(request: Request) -> Response:
     job = _submit(
         front, [prompt], sampling, [rid], prompt_logprobs=False, watch=stream, loras=loras, lora_field=lora_field
     )
-    parse_tools = tools is not None and front.effective_tool_call_parser() is not None
     created = int(time.time())
+
+    def tool_calls_of() -> ToolCallStream | None:
+        return ToolCallStream(names, parallel=parallel) if parse_tools else None
+
+    def finish_of(view: SampleView, calls: ToolCallStream | None) -> dict | None:
+        finish = None if view.finish_reason is None else dict(view.finish_reason)
+        if calls is not None and calls.calls and finish is not None and finish["type"] == "stop":
+            finish = {"type": "tool_calls", "matched": None}
+        return finish
 
     def message_of(view: SampleView) -> tuple[dict[str, Any], dict | None]:
         text = view.text or ""
-        finish = None if view.finish_reason is None else dict(view.finish_reason)
-        calls: list[dict[str, Any]] = []
-        if parse_tools and TOOL_CALL_OPEN in text:
-            text, calls = parse_tool_calls(text)
+        calls = tool_calls_of()
+        if calls is not None:
+            text = "".join(v for kind, v in calls.feed(prefill + text, final=True) if kind == "content")
         message: dict[str, Any] = {"role": "assistant", "content": text, "reasoning_content": None}
-        if calls:
-            message["tool_calls"] = calls
-            if finish is not None and finish["type"] == "stop":
-                finish = {"type": "tool_calls", "matched": None}
-        return message, finish
+        if calls is not None and calls.calls:
+            message["content"] = text or None
+            message["tool_calls"] = calls.calls
+        return message, finish_of(view, calls)
 
     if stream:
 
         async def events() -> AsyncIterator[bytes]:
             sent: dict[int, int] = {}
+            parsers: dict[int, ToolCallStream | None] = {}
             finals: list[SampleView] = []
 
             def chunk(index: int, delta: dict, finish: dict | None) -> bytes:
@@ -833,32 +1076,36 @@ async def chat_completions(request: Request) -> Response:
                     j = view.sample.index
                     if j not in sent:
                         sent[j] = 0
+                        parsers[j] = tool_calls_of()
                         yield chunk(j, {"role": "assistant", "content": ""}, None)
                     text = view.text or ""
-                    if final:
-                        message, finish = message_of(view)
-                        finals.append(view)
-                        delta: dict[str, Any] = {}
-                        if message.get("tool_calls"):
-                            shown = text[: sent[j]]
-                            rest = message["content"][len(shown) :] if message["content"].startswith(shown) else ""
-                            if rest:
-                                delta["content"] = rest
-                            delta["tool_calls"] = message["tool_calls"]
-                        elif len(text) > sent[j]:
-                            delta["content"] = text[sent[j] :]
-                        yield chunk(j, delta, finish)
+                    calls = parsers[j]
+                    deltas: list[dict[str, Any]] = []
+                    if calls is None:
+                        if len(text) > sent[j]:
+                            deltas.append({"content": text[sent[j] :]})
+                            sent[j] = len(text)
+                    else:
+                        for kind, value in calls.feed(prefill + text, final):
+                            if kind == "content":
+                                deltas.append({"content": value})
+                                continue
+                            # as OpenAI streams a call: index, id, type and name first, then the arguments
+                            fn = value["function"]
+                            head = {"name": fn["name"], "arguments": ""}
+                            deltas.append({"tool_calls": [{**value, "function": head}]})
+                            tail = {"index": value["index"], "function": {"arguments": fn["arguments"]}}
+                            deltas.append({"tool_calls": [tail]})
+                    if not final:
+                        for delta in deltas:
+                            yield chunk(j, delta, None)
                         continue
-                    # tool calls go out whole in the final chunk: hold back text from a
-                    # <tool_call> opening on, or what may be the start of one
-                    visible = text
-                    if parse_tools:
-                        at = text.find(TOOL_CALL_OPEN)
-                        visible = text[:at] if at >= 0 else text[: len(text) - held_back(text, [TOOL_CALL_OPEN])]
-                    if len(visible) > sent[j]:
-                        c = chunk(j, {"content": visible[sent[j] :]}, None)
-                        sent[j] = len(visible)
-                        yield c
+                    finals.append(view)
+                    if not deltas or "tool_calls" in deltas[-1]:
+                        deltas.append({})  # the finish in a chunk of its own after a call, as OpenAI's
+                    for delta in deltas[:-1]:
+                        yield chunk(j, delta, None)
+                    yield chunk(j, deltas[-1], finish_of(view, calls))
                 if include_usage and finals:
                     usage = _usage(sorted(finals, key=lambda v: v.sample.index), len(finals))
                     yield _sse(

@@ -8,7 +8,8 @@ batch, n, log-prob triples, SSE streaming), `/health`, `/health_generate`, `/mod
 `/server_info`, `/flush_cache`, `/v1/loads`, `/update_weights_from_disk`, `/pause_generation`,
 `/continue_generation`, `/abort_request`, `/load_lora_adapter`, `/unload_lora_adapter`; and the
 OpenAI-compatible `/v1/models`,
-`/v1/completions`, `/v1/chat/completions` (`ptrain.serve.openai_api`). The request and
+`/v1/completions`, `/v1/chat/completions` (`ptrain.serve.openai_api`); and the tokenizer's
+`/tokenize`, `/detokenize`, `/tokenizer_info` (`ptrain.serve.tokenizer_api`). The request and
 response translation lives in `ptrain.rollout.sglang_wire`.
 
 Threads. The engine samples on its own thread; `submit` returns a concurrent Future and calls
@@ -451,6 +452,7 @@ def cut_at_stop(sample: Sample, stops: Sequence[str], detok: Detokenizer) -> tup
         output_ids=sample.output_ids[:lo],
         logprobs=sample.logprobs[:lo],
         sampling_logprobs=sample.sampling_logprobs[:lo],
+        top_logprobs=None if sample.top_logprobs is None else sample.top_logprobs[:lo],
         finish_reason=FinishReason("stop"),
         weight_versions=spans,
     )
@@ -1120,6 +1122,7 @@ def make_app(
     max_request_bytes, health_timeout_s, server_args). warmup: answer /health 503 until one
     short request has run (the server's start-up)."""
     from ptrain.serve.openai_api import openai_routes
+    from ptrain.serve.tokenizer_api import tokenizer_routes
 
     front = Frontend(engine, tokenizer, served_model_name=served_model_name, **front_kw)
     routes = [
@@ -1139,6 +1142,7 @@ def make_app(
         Route("/load_lora_adapter", load_lora_adapter, methods=["POST"]),
         Route("/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
         *openai_routes(),
+        *tokenizer_routes(),
     ]
 
     @contextlib.asynccontextmanager

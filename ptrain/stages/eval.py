@@ -7,6 +7,11 @@ reward, pass@k, lengths, tool use and token counts.
 It trains nothing: its metrics go to metrics.jsonl (step 0) and DONE.json, every episode to
 audit.jsonl, and a later stage starts from the weights this one evaluated (the pipeline
 looks through eval stages for "previous").
+
+With `algo.eval.lm_eval.tasks` set, the stage also runs those lm-evaluation-harness tasks
+against its engine, served in process on a loopback port with ptrain.serve's routes
+(`ptrain.serve.lm_harness`); their metrics join the stage's as `eval/lm_eval/<task>/<metric>`,
+and lm-eval's results go to lm_eval.json.
 """
 
 from __future__ import annotations
@@ -51,9 +56,16 @@ def run_eval_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
             f"task, but the local engine decodes at most rollout.max_running_requests="
             f"{run.rollout.max_running_requests}; raise that or lower samples"
         )
+    if run.algo.eval.lm_eval.tasks and run.rollout.kind != "local":
+        raise ConfigError(
+            f"config key 'algo.eval.lm_eval.tasks': eval stage '{stage.name}' serves its local engine to lm-eval, "
+            f"and rollout.kind is '{run.rollout.kind}'; pass rollout=local, or point lm_eval's local-completions "
+            "model at the fleet's router yourself"
+        )
     tokenizer = tokenizer_for(run, init_path)
     mesh = stage_mesh(run)
-    model = load_model(run, init_path or ensure_base_model(run, tokenizer), mesh, tokenizer)
+    model_dir = init_path or ensure_base_model(run, tokenizer)
+    model = load_model(run, model_dir, mesh, tokenizer)
     envs = {e.env_name: make_env(e, tokenizer=tokenizer, sandbox=run.sandbox) for e in configs}
     cfg = run.algo.eval
     # The whole context the model was built for (an evaluation has no train.seq_len to fit).
@@ -71,6 +83,11 @@ def run_eval_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
         if run.rollout.kind != "local":
             engine.update_weights(params, model_state or None, weight_version="eval", mode="abort")
         metrics = evaluate_envs(envs, engine, cfg, seed=component_seed(run, "train.seed"), audit=audit, strict=True)
+        if cfg.lm_eval.tasks:
+            from ptrain.serve.lm_harness import run_lm_eval  # lm-eval is optional: loaded only when asked
+
+            results_path = os.path.join(stage_dir, "lm_eval.json")
+            metrics.update(run_lm_eval(engine, tokenizer, cfg.lm_eval, model_path=model_dir, results_path=results_path))
         logger.log(0, metrics, prefix="eval")
     except EngineUnavailable as e:
         # Nothing to checkpoint: the stage is not marked done, so a re-launch evaluates afresh.

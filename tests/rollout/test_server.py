@@ -442,8 +442,9 @@ def test_chat_renders_tools_with_the_given_template(engine, tokenizer, tool_temp
         prompt = tokenizer.decode(out["choices"][0]["prompt_token_ids"])
         assert "<tools>get_weather" in prompt and '<tool_call>{"name": "get_weather"' in prompt and "sunny" in prompt
         assert c.get("/model_info").json()["tool_call_parser"] == "qwen25"
-        r = c.post("/v1/chat/completions", json={**body, "tool_choice": "required"})
-        assert r.status_code == 400 and "constrained decoding" in r.json()["message"]
+        named = {"type": "function", "function": {"name": "x"}}
+        r = c.post("/v1/chat/completions", json={**body, "tool_choice": named})
+        assert r.status_code == 400 and "tool_choice.function.name: 'x' is not a declared tool" in r.json()["message"]
 
 
 def test_tool_calls_are_parsed_from_qwen_blocks():
@@ -463,7 +464,9 @@ def test_tool_calls_are_parsed_from_qwen_blocks():
     [
         ("/v1/completions", {"prompt": ""}, "Prompt cannot be empty"),
         ("/v1/completions", {"prompt": "a", "max_tokens": 0}, "max_tokens must be positive"),
-        ("/v1/completions", {"prompt": "a", "logprobs": 2}, "top log-probs are not implemented"),
+        ("/v1/completions", {"prompt": "a", "logprobs": 21}, "logprobs: must be an integer in [0, 20]"),
+        ("/v1/completions", {"prompt": "a", "logprobs": -1}, "logprobs: must be an integer in [0, 20]"),
+        ("/v1/completions", {"prompt": "a", "logprobs": True}, "logprobs: must be an integer"),
         ("/v1/completions", {"prompt": "a", "frequency_penalty": 1.0}, "frequency_penalty"),
         ("/v1/completions", {"prompt": "a", "temperature": "warm"}, "temperature: must be a number"),
         ("/v1/completions", {"prompt": {"a": 1}}, "prompt: must be"),
