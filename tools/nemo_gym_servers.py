@@ -5,6 +5,10 @@
     python tools/nemo_gym_servers.py --where NAME                the server's folder (data/example.jsonl, ...)
     python tools/nemo_gym_servers.py NAME [--port 0] [--set should_use_judge=false ...]
         -> prints `http://127.0.0.1:PORT` on its own line once the server accepts requests
+    python tools/nemo_gym_servers.py --nemo-gym-version 0.7.0 NAME     the same from nemo-gym 0.7.0
+    python tools/nemo_gym_servers.py --agent-verify URL ROW.json RESPONSE.json
+        -> what NeMo Gym's own simple agent sends to URL's /seed_session and /verify for this row
+           and response, sent with NeMo Gym's own HTTP client; prints the verify answer
 
 ptrain never depends on nemo-gym: the servers run in a separate virtualenv (default
 ~/.cache/ptrain/nemo_gym_venv, or --venv / $PTRAIN_NEMO_GYM_VENV) that this script creates
@@ -18,6 +22,11 @@ takes the server's own config block from `configs/<NAME>.yaml` (the block whose
 `model_construct(config=..., server_client=None)` (no head server to reach; only LLM-judge
 paths use the client), and serves `setup_webserver()` with uvicorn, plus the liveness route
 and the exception middleware that NeMo Gym's own `run_webserver` adds.
+
+Two releases, each in a venv of its own: 0.4.0 (the default; ~/.cache/ptrain/nemo_gym_venv)
+and 0.7.0 (--nemo-gym-version 0.7.0; the same path with "-0.7.0" appended, built from the
+same base path when --venv or $PTRAIN_NEMO_GYM_VENV moves it). A venv's stamp names its
+release, and a venv of one release is never rebuilt as the other.
 
 The minimum install (nemo-gym 0.4.0, Python 3.11; the wheel says >= 3.12 but runs on 3.11).
 The full `pip install nemo-gym` pulls about 1.4 GB (Ray with its dashboard extras, MLflow,
@@ -38,12 +47,27 @@ math_with_judge's extra, built in about 55 s; a server starts in about 2.5 s. Pe
 the packages of its requirements.txt are added, less the ones only its data-preparation
 scripts import (SERVE_TIME_SKIP): math_with_judge adds math-verify==0.8.0 (with
 latex2sympy2_extended and sympy, 91 MB) and skips `datasets`.
+
+nemo-gym 0.7.0 on Python 3.11. Its wheel declares Requires-Python >= 3.13.14, so pip on 3.11
+never picks it by itself: `pip download --no-deps --ignore-requires-python nemo-gym==0.7.0`
+gets it (43 MB) and it goes in with --no-deps --ignore-requires-python. Its code parses and
+runs on 3.11 (checked here: seed_session in both bodies, the tool routes, verify,
+close_session, reverify_mode and the judge failsafe answer as 0.7.0's own pydantic models
+say). Its server modules import, at load time, what 0.4.0's do less gprof2dot, plus scipy
+and httptools (uvicorn's httptools protocol is imported by name), and openai is pinned to
+the 2.44.0 its metadata requires; ray is needed for its distribution metadata
+(global_config reads ray's version at import) and is imported lazily. Measured here: 884 MB
+for the base, about 2 minutes to build with the example servers and math_with_judge's extra;
+a server starts in about 5 s. Its servers differ from 0.4.0's in places (shared/reference/
+ecosystem_clients.md D.3): example_single_tool_call's verify returns 1.0 only for a
+get_weather call, math_with_judge wants a complete \\boxed{} answer.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import difflib
 import fcntl
 import json
@@ -55,6 +79,7 @@ import zipfile
 from pathlib import Path
 
 NEMO_GYM_VERSION = "0.4.0"
+"""The default release (the one ptrain's NeMo Gym tests pin)."""
 NEMO_GYM_REQUIREMENT = f"nemo-gym=={NEMO_GYM_VERSION}"
 FIRST_PACKAGES = ("omegaconf>=2.3", "hydra-core>=1.3.2")
 """Installed first, alone: with them in place pip does not backtrack through old omegaconf."""
@@ -75,7 +100,42 @@ BASE_PACKAGES = (
     "gprof2dot",
     "pydot",
 )
-"""What NeMo Gym's server modules import at load time (module docstring)."""
+"""What NeMo Gym 0.4.0's server modules import at load time (module docstring)."""
+BASE_PACKAGES_0_7 = (
+    "fastapi",
+    "uvicorn",
+    "httptools",
+    "pydantic",
+    "itsdangerous",
+    "openai==2.44.0",
+    "orjson",
+    "aiohttp",
+    "requests",
+    "rich",
+    "ray",
+    "wandb",
+    "pandas",
+    "scipy",
+    "yappi",
+    "pydot",
+)
+"""What NeMo Gym 0.7.0's server modules import at load time (module docstring)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Release:
+    """How one nemo-gym release is fetched and what its servers need beside it."""
+
+    version: str
+    packages: tuple[str, ...]
+    download_flags: tuple[str, ...]
+    """pip download flags that make pip on this Python take the wheel."""
+
+
+RELEASES = {
+    "0.4.0": Release("0.4.0", BASE_PACKAGES, ("--python-version", "3.12")),
+    "0.7.0": Release("0.7.0", BASE_PACKAGES_0_7, ("--ignore-requires-python",)),
+}
 SERVE_TIME_SKIP = {"math_with_judge": ("datasets",)}
 """Requirements a server lists that only its data-preparation scripts import."""
 DEFAULT_VENV = Path.home() / ".cache" / "ptrain" / "nemo_gym_venv"
@@ -88,20 +148,33 @@ class SetupError(RuntimeError):
     which step failed and the command to retry it."""
 
 
-def venv_dir(path: str | os.PathLike | None = None) -> Path:
-    """The venv to use: `path`, else $PTRAIN_NEMO_GYM_VENV, else ~/.cache/ptrain/nemo_gym_venv."""
-    return Path(path or os.environ.get("PTRAIN_NEMO_GYM_VENV") or DEFAULT_VENV).expanduser().resolve()
+def release(version: str) -> Release:
+    """The Release of `version`; SetupError naming the ones this tool knows."""
+    if version not in RELEASES:
+        raise SetupError(f"nemo-gym {version!r} is not one this tool sets up; pass --nemo-gym-version "
+                         f"{' or '.join(RELEASES)}")  # fmt: skip
+    return RELEASES[version]
+
+
+def venv_dir(path: str | os.PathLike | None = None, version: str = NEMO_GYM_VERSION) -> Path:
+    """The venv to use: `path`; else $PTRAIN_NEMO_GYM_VENV or ~/.cache/ptrain/nemo_gym_venv for
+    the default release, with "-<version>" appended for another one."""
+    if path:
+        return Path(path).expanduser().resolve()
+    base = Path(os.environ.get("PTRAIN_NEMO_GYM_VENV") or DEFAULT_VENV).expanduser().resolve()
+    return base if version == NEMO_GYM_VERSION else base.with_name(f"{base.name}-{version}")
 
 
 def venv_python(venv: Path) -> Path:
     return venv / "bin" / "python"
 
 
-def setup_command(servers: list[str], venv: Path | None = None) -> str:
+def setup_command(servers: list[str], venv: Path | None = None, version: str = NEMO_GYM_VERSION) -> str:
     """The shell command that builds the venv for `servers` (for error and skip messages)."""
     here = Path(__file__).resolve()
-    extra = f" --venv {venv}" if venv is not None and venv != venv_dir() else ""
-    return f"python {here} --setup {' '.join(servers)}{extra}"
+    release_flag = f" --nemo-gym-version {version}" if version != NEMO_GYM_VERSION else ""
+    extra = f" --venv {venv}" if venv is not None and venv != venv_dir(version=version) else ""
+    return f"python {here}{release_flag} --setup {' '.join(servers)}{extra}"
 
 
 def _run(cmd: list[str], what: str, retry: str) -> None:
@@ -124,22 +197,23 @@ def _write_stamp(venv: Path, stamp: dict) -> None:
     tmp.replace(venv / STAMP)
 
 
-def wheel_path(cache: Path, retry: str) -> Path:
-    """The nemo-gym wheel in `cache`, downloaded (no dependencies) when missing."""
+def wheel_path(cache: Path, retry: str, version: str = NEMO_GYM_VERSION) -> Path:
+    """The nemo-gym wheel of `version` in `cache`, downloaded (no dependencies) when missing."""
     wheels = cache / "wheels"
-    found = sorted(wheels.glob(f"nemo_gym-{NEMO_GYM_VERSION}-*.whl"))
+    found = sorted(wheels.glob(f"nemo_gym-{version}-*.whl"))
     if found:
         return found[0]
     wheels.mkdir(parents=True, exist_ok=True)
+    requirement = f"nemo-gym=={version}"
     _run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--python-version", "3.12", "--only-binary=:all:",
-         NEMO_GYM_REQUIREMENT, "-d", str(wheels), "-q"],
-        f"downloading {NEMO_GYM_REQUIREMENT}",
+        [sys.executable, "-m", "pip", "download", "--no-deps", *release(version).download_flags, "--only-binary=:all:",
+         requirement, "-d", str(wheels), "-q"],
+        f"downloading {requirement}",
         retry,
     )  # fmt: skip
-    found = sorted(wheels.glob(f"nemo_gym-{NEMO_GYM_VERSION}-*.whl"))
+    found = sorted(wheels.glob(f"nemo_gym-{version}-*.whl"))
     if not found:
-        raise SetupError(f"pip download left no nemo_gym-{NEMO_GYM_VERSION} wheel in {wheels}; retry with: {retry}")
+        raise SetupError(f"pip download left no nemo_gym-{version} wheel in {wheels}; retry with: {retry}")
     return found[0]
 
 
@@ -167,28 +241,37 @@ def _site_packages(venv: Path) -> Path:
     return found[0]
 
 
-def ensure_venv(servers: list[str], venv: str | os.PathLike | None = None) -> Path:
-    """Build (or reuse) the NeMo Gym venv with what `servers` need; returns its python.
+def ensure_venv(servers: list[str], venv: str | os.PathLike | None = None, version: str = NEMO_GYM_VERSION) -> Path:
+    """Build (or reuse) the venv of nemo-gym `version` with what `servers` need; returns its python.
 
     Idempotent: a stamp file in the venv records the nemo-gym version, the base packages and
     each server's extra packages; only what is missing is installed. A lock file next to the
-    venv keeps two builders (two test sessions) from installing into it at once.
+    venv keeps two builders (two test sessions) from installing into it at once. A venv whose
+    stamp names another release is refused, never rebuilt over.
     """
-    venv = venv_dir(venv)
-    retry = setup_command(servers, venv)
+    rel = release(version)
+    venv = venv_dir(venv, version)
+    retry = setup_command(servers, venv, version)
     venv.parent.mkdir(parents=True, exist_ok=True)
     with open(venv.parent / (venv.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         stamp = _read_stamp(venv)
-        base_key = {"nemo_gym": NEMO_GYM_VERSION, "packages": list(FIRST_PACKAGES + BASE_PACKAGES)}
+        held = (stamp.get("base") or {}).get("nemo_gym")
+        if held is not None and held != version:
+            raise SetupError(
+                f"the venv {venv} holds nemo-gym {held}, not {version}; each release needs a venv of its own: "
+                f"drop --venv (nemo-gym {version}'s default is {venv_dir(version=version)}) or pass another path"
+            )
+        # 0.4.0's key is the one its venvs were stamped with before 0.7.0 came (so none is rebuilt).
+        base_key = {"nemo_gym": version, "packages": list(FIRST_PACKAGES + rel.packages)}
         python = venv_python(venv)
         if stamp.get("base") != base_key or not python.exists():
             if not python.exists():
                 _run([sys.executable, "-m", "venv", str(venv)], f"creating the venv {venv}", retry)
             pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-            wheel = wheel_path(venv.parent, retry)
+            wheel = wheel_path(venv.parent, retry, version)
             _run(pip + list(FIRST_PACKAGES), f"installing {' '.join(FIRST_PACKAGES)} into {venv}", retry)
-            _run(pip + list(BASE_PACKAGES), f"installing NeMo Gym's server dependencies into {venv}", retry)
+            _run(pip + list(rel.packages), f"installing NeMo Gym {version}'s server dependencies into {venv}", retry)
             _run(
                 pip + ["--no-deps", "--ignore-requires-python", "--only-binary=:all:", str(wheel)],
                 f"installing {wheel.name} into {venv}",
@@ -198,7 +281,7 @@ def ensure_venv(servers: list[str], venv: str | os.PathLike | None = None) -> Pa
             _write_stamp(venv, stamp)
         site = _site_packages(venv)
         for name in servers:
-            _check_server_name(site, name)
+            _check_server_name(site, name, version)
             reqs = _server_requirements(site, name)
             if stamp.get("servers", {}).get(name) == reqs:
                 continue
@@ -210,9 +293,9 @@ def ensure_venv(servers: list[str], venv: str | os.PathLike | None = None) -> Pa
     return python
 
 
-def server_dir(name: str, venv: str | os.PathLike | None = None) -> Path:
+def server_dir(name: str, venv: str | os.PathLike | None = None, version: str = NEMO_GYM_VERSION) -> Path:
     """The folder of resources server `name` in the venv (app.py, configs/, data/)."""
-    return _site_packages(venv_dir(venv)) / "resources_servers" / name
+    return _site_packages(venv_dir(venv, version)) / "resources_servers" / name
 
 
 def available_servers(site: Path | None = None, wheel: Path | None = None) -> list[str]:
@@ -224,14 +307,15 @@ def available_servers(site: Path | None = None, wheel: Path | None = None) -> li
     return sorted(names)
 
 
-def _check_server_name(site: Path, name: str) -> None:
+def _check_server_name(site: Path, name: str, version: str = NEMO_GYM_VERSION) -> None:
     if not (site / "resources_servers" / name / "app.py").exists():
         names = available_servers(site)
         close = difflib.get_close_matches(name, names, n=3)
         hint = f"did you mean {', '.join(close)}? " if close else ""
+        flag = f" --nemo-gym-version {version}" if version != NEMO_GYM_VERSION else ""
         raise SetupError(
-            f"no resources server {name!r} in nemo-gym {NEMO_GYM_VERSION}; {hint}"
-            f"python {Path(__file__).resolve()} --list shows all {len(names)}"
+            f"no resources server {name!r} in nemo-gym {version}; {hint}"
+            f"python {Path(__file__).resolve()}{flag} --list shows all {len(names)}"
         )
 
 
@@ -317,6 +401,52 @@ def serve_inside(name: str, port: int, overrides: list[str]) -> None:
     asyncio.run(run())
 
 
+def agent_verify_inside(url: str, row_path: str, response_path: str) -> None:
+    """Seed and verify one row as NeMo Gym's simple agent's /run does, with NeMo Gym's own HTTP
+    client; print {"seed_status", "status", "answer"} as one JSON line.
+
+    The bodies are built by the agent's own code of this release: its run request parses the
+    row (task fields kept as extras, nulls included) and is dumped whole as the seed body; the
+    verify body is that dump plus `response` (0.4.0 passes it through SimpleAgentVerifyRequest
+    first, 0.7.0 sends the dict). NeMo Gym's `request` serialises a dict with orjson as it is
+    (only pydantic models are dumped with exclude_unset), and the seed answer's cookies go
+    with the verify, as the agent forwards them.
+    """
+    import asyncio
+    from importlib.metadata import version as dist_version
+
+    from nemo_gym.server_utils import (
+        GlobalAIOHTTPAsyncClientConfig,
+        get_response_json,
+        request,
+        set_global_aiohttp_client,
+    )
+    from responses_api_agents.simple_agent.app import SimpleAgentRunRequest, SimpleAgentVerifyRequest
+
+    row = json.loads(Path(row_path).read_text())
+    response = json.loads(Path(response_path).read_text())
+    body = SimpleAgentRunRequest.model_validate(row)
+    if dist_version("nemo-gym") == "0.4.0":
+        payload = SimpleAgentVerifyRequest.model_validate(body.model_dump() | {"response": response}).model_dump()
+    else:
+        payload = body.model_dump() | {"response": response}
+
+    async def go() -> dict:
+        client = set_global_aiohttp_client(GlobalAIOHTTPAsyncClientConfig())
+        try:
+            seed = await request("POST", f"{url}/seed_session", json=body.model_dump())
+            out = {"seed_status": seed.status}
+            if seed.ok:
+                verify = await request("POST", f"{url}/verify", json=payload, cookies=seed.cookies)
+                out["status"] = verify.status
+                out["answer"] = await get_response_json(verify) if verify.ok else (await verify.read()).decode()
+            return out
+        finally:
+            await client.close()
+
+    print(json.dumps(asyncio.run(go())), flush=True)
+
+
 # ----------------------------------------------------------------------------- command line
 
 
@@ -326,36 +456,60 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=0, help="loopback port (0: a free one; the URL is printed)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field of the server's config block (VALUE parsed as JSON)")  # fmt: skip
-    p.add_argument("--venv", default=None, help=f"NeMo Gym venv (default $PTRAIN_NEMO_GYM_VENV or {DEFAULT_VENV})")
+    p.add_argument("--venv", default=None, help=f"NeMo Gym venv (default $PTRAIN_NEMO_GYM_VENV or {DEFAULT_VENV}, "
+                   "with -VERSION appended for a release other than the default)")  # fmt: skip
+    p.add_argument("--nemo-gym-version", default=NEMO_GYM_VERSION, metavar="VERSION",
+                   help=f"the nemo-gym release: {' or '.join(RELEASES)} (default {NEMO_GYM_VERSION})")  # fmt: skip
     p.add_argument("--list", action="store_true", help="list the resources servers in the wheel")
     p.add_argument("--setup", nargs="+", metavar="NAME", help="build or reuse the venv for these servers, then exit")
     p.add_argument("--where", metavar="NAME", help="build or reuse the venv for NAME, print the server's folder")
+    p.add_argument("--agent-verify", nargs=3, metavar=("URL", "ROW.json", "RESPONSE.json"),
+                   help="seed and verify ROW with RESPONSE at URL as NeMo Gym's simple agent does, with its own "
+                   "client; prints the answer")  # fmt: skip
     p.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    version = args.nemo_gym_version
 
     if args.inside:
-        serve_inside(args.name, args.port, args.overrides)
+        if args.agent_verify:
+            agent_verify_inside(*args.agent_verify)
+        else:
+            serve_inside(args.name, args.port, args.overrides)
         return 0
     try:
+        release(version)
         if args.list:
-            venv = venv_dir(args.venv)
+            venv = venv_dir(args.venv, version)
             if (venv / STAMP).exists():
                 names = available_servers(site=_site_packages(venv))
             else:
-                names = available_servers(wheel=wheel_path(venv.parent, setup_command(["NAME"], venv)))
+                names = available_servers(
+                    wheel=wheel_path(venv.parent, setup_command(["NAME"], venv, version), version)
+                )
             print("\n".join(names))
             return 0
         if args.setup:
-            python = ensure_venv(args.setup, args.venv)
+            python = ensure_venv(args.setup, args.venv, version)
             print(python)
             return 0
         if args.where:
-            python = ensure_venv([args.where], args.venv)
-            print(server_dir(args.where, args.venv))
+            python = ensure_venv([args.where], args.venv, version)
+            print(server_dir(args.where, args.venv, version))
             return 0
+        if args.agent_verify:
+            url, *files = args.agent_verify
+            for path in files:
+                if not os.path.isfile(path):
+                    p.error(
+                        f"--agent-verify: no file {path!r} (pass a JSON file with the row, then one with the response)"
+                    )
+            python = ensure_venv([], args.venv, version)
+            cmd = [str(python), str(Path(__file__).resolve()), "--inside", "--agent-verify", url,
+                   *(str(Path(f).resolve()) for f in files)]  # fmt: skip
+            return subprocess.run(cmd).returncode
         if not args.name:
             p.error("name a resources server (--list shows them), or pass --list / --setup")
-        python = ensure_venv([args.name], args.venv)
+        python = ensure_venv([args.name], args.venv, version)
     except SetupError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

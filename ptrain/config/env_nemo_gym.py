@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 from ptrain.config.env_options import EnvConfigError, register_options
 
 BAD_ROW_POLICIES = ("fail", "skip")
+SEED_BODIES = ("auto", "legacy", "session")
 
 
 @register_options("nemo_gym")
@@ -29,7 +30,9 @@ class NemoGymOptions:
 
     url: str | None = None
     """Base URL of the resources server (http://host:port, no trailing route). Its routes:
-    /seed_session, one POST route per tool, /verify, /aggregate_metrics."""
+    /seed_session, one POST route per tool, /verify, /aggregate_metrics, and from NeMo Gym 0.7
+    /close_session (called after each episode; a server without it answers 404 and is not
+    asked again)."""
     rows: str | None = None
     """NeMo Gym JSONL rows: {"responses_create_params": {"input": [...], "tools": [...]},
     ...task fields}, e.g. a server's data/example.jsonl. The training split, and the held-out
@@ -70,6 +73,12 @@ class NemoGymOptions:
     reward_components_tolerance: float = 1e-6
     """|reward - sum(reward_components)| allowed (>= 0); more is a reward_error (NeMo RL
     requires reward == the components' sum)."""
+    seed_body: str = "auto"
+    """What /seed_session gets: legacy (the row itself, as NeMo Gym's simple agent sends it;
+    every 0.4 and 0.7 server whose seed reads row fields takes it), session (NeMo Gym 0.7's
+    {resources_session_id, episode_id, task_id, task_data: the row}, which 0.7's default seed
+    and servers seeded by its environment servers take), or auto: session when the server's
+    OpenAPI document (/openapi.json, read once) says its seed takes that body, else legacy."""
     bad_rows: str = "fail"
     """What a malformed row does: fail (the environment refuses to start, naming the file,
     the line and the problem) or skip (counted, with line numbers, in `NemoGymEnv.bad_rows`)."""
@@ -106,5 +115,7 @@ class NemoGymOptions:
             check(getattr(self, key) > 0, key, f"must be > 0 seconds, got {getattr(self, key)}")
         check(self.reward_components_tolerance >= 0, "reward_components_tolerance",
               f"must be >= 0, got {self.reward_components_tolerance}")  # fmt: skip
+        check(self.seed_body in SEED_BODIES, "seed_body",
+              f"must be one of {list(SEED_BODIES)}, got {self.seed_body!r}")  # fmt: skip
         check(self.bad_rows in BAD_ROW_POLICIES, "bad_rows",
               f"must be one of {list(BAD_ROW_POLICIES)}, got {self.bad_rows!r}")  # fmt: skip

@@ -104,6 +104,13 @@ class Trajectory:
     """Why the reward is 0 when the reward code raised, hung or returned garbage."""
     error: str | None = None
     """Why the environment failed (finish_reason "error")."""
+    masked: bool = False
+    """The environment says the reward is no measurement (its judge did not answer, its
+    sandbox died: NeMo Gym's mask_sample): an RL stage neither trains on the sample nor counts
+    its reward in the group's baseline; `reward_error` says why."""
+    failure_kind: str | None = None
+    """What went wrong in scoring, as a short low-cardinality name (NeMo Gym's failure_kind,
+    e.g. judge_failed), masked or not; metrics count episodes per kind."""
     metrics: Mapping[str, float] = field(default_factory=dict)
     """Per-episode numbers the environment reports (turns, tool calls, correct, ...)."""
     turns: tuple[Turn, ...] = ()
@@ -143,6 +150,8 @@ class Trajectory:
             "weight_versions": list(self.weight_versions),
             "tokens": dataclasses.asdict(self.tokens),
             "turns": [_turn_record(t) for t in self.turns],
+            **({"masked": True} if self.masked else {}),
+            **({"failure_kind": self.failure_kind} if self.failure_kind is not None else {}),
         }
 
 

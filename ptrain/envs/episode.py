@@ -75,7 +75,7 @@ class EpisodeState:
     finish_reason: str | None = None
     error: str | None = None
     result: dict[str, Any] | None = None
-    """Once scored: reward, reward_components, reward_error, metrics."""
+    """Once scored: reward, reward_components, reward_error, metrics (and masked, failure_kind)."""
     version: int = STATE_VERSION
 
     def append(self, ids: list[int], *, policy: bool, logprobs: list[float] | None = None) -> tuple[int, int]:
@@ -144,6 +144,8 @@ class EpisodeState:
             finish_reason=self.finish_reason or "stop",
             reward_error=r.get("reward_error"),
             error=self.error,
+            masked=bool(r.get("masked", False)),
+            failure_kind=r.get("failure_kind"),
             metrics=dict(r.get("metrics", {})),
             turns=self.audit_turns(),
             weight_versions=tuple(self.weight_versions),

@@ -16,8 +16,10 @@ engine samples the turns, so token ids stay exactly the sampled ones: each polic
 shared tool loop's (`ptrain.envs.multi_turn`), and each call it parses is answered by a POST
 to the server's route of that name.
 
-Per episode:
-  1. POST /seed_session with the row;
+Per episode (NeMo Gym 0.4 and 0.7 servers alike):
+  1. POST /seed_session: the row as it is (the body NeMo Gym's simple agent sends), or 0.7's
+     session body {resources_session_id, episode_id, task_id, task_data: the row} to a server
+     whose OpenAPI document says its seed takes it (options.seed_body: auto, legacy, session);
   2. the tool loop: the row's input messages and tools through the chat template, engine
      turns, each <tool_call> -> POST /<name> with the parsed arguments, the server's answer
      (whatever its status, as NeMo Gym's agent does) rendered as a tool message, loss-masked;
@@ -26,7 +28,18 @@ Per episode:
      answer); the last item of each model call carries NeMo Gym's training fields
      prompt_token_ids, generation_token_ids, generation_log_probs;
   4. reward and reward_components (checked to sum to the reward, as NeMo RL requires) from
-     the answer; `_ng_failure_class` (e.g. a failed LLM judge) is a reward_error.
+     the answer; `_ng_failure_class` (e.g. a failed LLM judge) is a reward_error. A 0.5+
+     answer's `mask_sample: true` (its reward is no measurement: a judge that did not answer,
+     a sandbox that died) masks the sample (`Trajectory.masked`: the RL stage does not train
+     on it and leaves it out of its group's baseline); its `failure_kind` is
+     `Trajectory.failure_kind` (a metric per kind) and `failure_reason` is in reward_error;
+  5. POST /close_session {resources_session_id, episode_id} (0.7), once the episode is over
+     whatever happened; a server without the route (0.4 answers 404) is not asked again.
+
+Rows go to the server exactly as they are: a task field whose value is null is sent as null
+(NeMo Gym's own clients send the row's dict as it is, with orjson; a verifier can read the
+null, and dropping the field would let the server's default stand in for it).
+
 An episode cut by a length limit is verified only with env.score_truncated (else reward 0,
 metric truncated 1, as in every kind); an aborted one never.
 A server that cannot be reached, answers an error status or does not answer in time makes
@@ -36,9 +49,15 @@ the run goes on.
 Recorded rollouts (a server's data/example_rollouts.jsonl: the row, the model's `response`
 and its `reward`) are re-verified by `reverify`: each row is seeded in a session of its own,
 its recorded function calls are replayed against the tool routes (so stateful servers see
-the state the episode built), then it goes to /verify. Recorded rows hold explicit nulls
-that /verify refuses, so null fields are dropped first; and they may lack task fields of
-their example.jsonl rows, which `--rows` joins back by the input messages.
+the state the episode built), then it goes to /verify. The body is what NeMo Gym's own
+`reverify` sends, the input row plus the recorded `response`: with `--rows`, the example row
+with the same input messages exactly as it is (recorded rollouts may lack its task fields);
+without it, the recorded rollout less the fields its verify answer added (reward,
+reward_components, mask_sample, failure_kind, failure_reason, _ng_failure_*). Task fields keep
+their nulls; only the recorded request parameters (responses_create_params) that are null
+are left out: the recording wrote every unset parameter as null, which /verify's request
+model refuses for some (parallel_tool_calls, tool_choice). A server whose /reverify_mode
+(0.5+) says "unsupported" is refused unless --force.
 """
 
 from __future__ import annotations
@@ -79,6 +98,13 @@ logger = logging.getLogger(__name__)
 
 NG_FAILURE_CLASS_KEY = "_ng_failure_class"
 """Verify answers that failed (a judge that did not answer, ...) carry their class here."""
+FAILURE_KEYS = ("mask_sample", "failure_kind", "failure_reason")
+"""What a 0.5+ verify answer says of a failure: whether the reward is a valid measurement,
+the kind (NeMo Gym's failure_kinds vocabulary) and the occurrence's detail."""
+VERIFY_ANSWER_KEYS = ("reward", "reward_components", *FAILURE_KEYS, NG_FAILURE_CLASS_KEY, "_ng_failure_judge_error")
+"""Fields a verify answer adds to its request; a recorded rollout is verified again without them."""
+SESSION_SEED_FIELDS = ("resources_session_id", "episode_id", "task_id", "task_data")
+"""The fields of 0.7's session seed body (ResourcesSeedSessionRequest, extra fields forbidden)."""
 TASK_INDEX_KEY = "_ng_task_index"
 ROLLOUT_INDEX_KEY = "_ng_rollout_index"
 """What /aggregate_metrics groups by: the task, and the sample within its group."""
@@ -148,6 +174,8 @@ class ResourcesSession:
             timeout=httpx.Timeout(timeouts.request_s, connect=timeouts.connect_s),
             headers={"content-type": "application/json"},
         )
+        self.reached = False
+        """Whether the server has answered anything in this session."""
 
     async def __aenter__(self) -> ResourcesSession:
         return self
@@ -160,15 +188,23 @@ class ResourcesSession:
 
     async def post(self, route: str, body: Any, *, timeout_s: float | None = None, what: str = "") -> Reply:
         """POST JSON to `route`; NemoGymError when the server is unreachable or too slow (any
-        status comes back as a Reply: what an error status means is the caller's to say)."""
-        where = f"POST {self.url}{route}"
-        timeout = httpx.Timeout(timeout_s or self.timeouts.request_s, connect=self.timeouts.connect_s)
+        status comes back as a Reply: what an error status means is the caller's to say).
+        The body is sent as it is: null fields stay null."""
         try:
             payload = json.dumps(body, allow_nan=False)
         except (TypeError, ValueError) as e:
-            raise NemoGymError(f"{where}: the request body is not JSON ({e})") from None
+            raise NemoGymError(f"POST {self.url}{route}: the request body is not JSON ({e})") from None
+        return await self._send("POST", route, payload, timeout_s=timeout_s, what=what)
+
+    async def get(self, route: str, *, what: str = "") -> Reply:
+        """GET `route` (as `post`: NemoGymError only when no answer came)."""
+        return await self._send("GET", route, None, timeout_s=None, what=what)
+
+    async def _send(self, method: str, route: str, payload: str | None, *, timeout_s: float | None, what: str) -> Reply:
+        where = f"{method} {self.url}{route}"
+        timeout = httpx.Timeout(timeout_s or self.timeouts.request_s, connect=self.timeouts.connect_s)
         try:
-            response = await self._client.post(route, content=payload, timeout=timeout)
+            response = await self._client.request(method, route, content=payload, timeout=timeout)
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
             raise NemoGymError(
                 f"{where}: the NeMo Gym resources server at {self.url} is unreachable ({type(e).__name__}: {e}); "
@@ -180,6 +216,7 @@ class ResourcesSession:
         except Exception as e:  # noqa: BLE001 - httpx.HTTPError (a dropped connection, a bad answer) and what
             # else a transport can raise: a failed exchange fails its episode, never the batch
             raise NemoGymError(f"{where}: the request failed ({type(e).__name__}: {e})") from None
+        self.reached = True
         text = response.text
         try:
             parsed, problem = response.json(), None
@@ -202,7 +239,27 @@ class ResourcesSession:
         return reply.json
 
     async def seed_session(self, row: Mapping[str, Any]) -> dict[str, Any]:
+        """The legacy seed: POST the row itself (what NeMo Gym's simple agent sends, 0.4 and 0.7)."""
         return await self.post_json("/seed_session", row, what=f" ({self.option_names[1]})")
+
+    async def seed_resources_session(self, ids: SessionIds, row: Mapping[str, Any]) -> dict[str, Any]:
+        """0.7's session seed: {resources_session_id, episode_id, task_id, task_data: the row}.
+        The answer must echo the session id: one that does not means the server took the body
+        for a legacy seed (its seed model ignores unknown fields), and the episode fails."""
+        body = {**ids.body(), "task_id": dict(ids.task_id), "task_data": dict(row)}
+        answer = await self.post_json("/seed_session", body, what=f" ({self.option_names[1]})")
+        if answer.get("resources_session_id") != ids.resources_session_id:
+            raise NemoGymError(
+                f"POST {self.url}/seed_session answered the session seed body with {_excerpt(json.dumps(answer), 200)}, "
+                f"which does not echo resources_session_id {ids.resources_session_id!r}: the server does not take "
+                "NeMo Gym 0.7's session body; seed it with the row (options.seed_body=legacy, or auto)"
+            )
+        return answer
+
+    async def close_resources_session(self, ids: SessionIds) -> Reply:
+        """POST /close_session {resources_session_id, episode_id} (0.7); the Reply whatever its
+        status (0.4 servers have no such route and answer 404)."""
+        return await self.post("/close_session", ids.body(), what=f" ({self.option_names[1]})")
 
     async def call_tool(self, name: str, arguments: Any) -> Reply:
         """POST /<name> with the arguments; every status is an answer for the policy to read."""
@@ -219,13 +276,68 @@ def _excerpt(text: str, limit: int = 600) -> str:
     return text if len(text) <= limit else text[:limit] + f"... [{len(text) - limit} more characters]"
 
 
-def drop_nulls(value: Any) -> Any:
-    """`value` with every null-valued object field removed, recursively (list items stay)."""
-    if isinstance(value, dict):
-        return {k: drop_nulls(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [drop_nulls(v) for v in value]
-    return value
+@dataclass(frozen=True)
+class SessionIds:
+    """An episode's identity in NeMo Gym 0.7's session protocol (its EpisodeId and TaskId)."""
+
+    resources_session_id: str
+    episode_id: Mapping[str, Any]
+    """{"rollout_id": str matching [A-Za-z0-9][A-Za-z0-9._-]*, "attempt": int >= 0}."""
+    task_id: Mapping[str, Any]
+    """{"taskset": str, "task_id": str}, both non-empty."""
+
+    @classmethod
+    def new(cls, taskset: str, task_id: str) -> SessionIds:
+        """Fresh ids for one episode of task `task_id` of environment `taskset`."""
+        sid = f"ptrain-{uuid.uuid4().hex}"
+        return cls(sid, {"rollout_id": sid, "attempt": 0}, {"taskset": taskset or "nemo_gym", "task_id": task_id})
+
+    def body(self) -> dict[str, Any]:
+        """{resources_session_id, episode_id}: the close body (and the start of the seed body)."""
+        return {"resources_session_id": self.resources_session_id, "episode_id": dict(self.episode_id)}
+
+
+def takes_session_seed(openapi: Any) -> bool:
+    """Whether a server's OpenAPI document (FastAPI's /openapi.json) says its /seed_session
+    takes 0.7's session body: a request schema, or one alternative of it, that requires
+    resources_session_id, episode_id, task_id and task_data. 0.4 servers and 0.7 servers whose
+    seed takes only their own row fields say no; 0.7's default seed and servers that take the
+    union (or the session body alone) say yes."""
+    try:
+        schema = openapi["paths"]["/seed_session"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    except (KeyError, TypeError):
+        return False
+    components = (openapi.get("components") or {}).get("schemas") or {}
+
+    def alternatives(node: Any, depth: int = 0) -> Iterable[dict]:
+        if depth > 8 or not isinstance(node, dict):
+            return
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            yield from alternatives(components.get(ref.rsplit("/", 1)[-1]), depth + 1)
+            return
+        for key in ("anyOf", "oneOf"):
+            for sub in node.get(key) or ():
+                yield from alternatives(sub, depth + 1)
+        yield node
+
+    return any(set(SESSION_SEED_FIELDS) <= set(alt.get("required") or ()) for alt in alternatives(schema))
+
+
+def recorded_verify_body(rollout: Mapping[str, Any], row: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The /verify body of a recorded rollout, as NeMo Gym's reverify builds it (the input row
+    plus the recorded `response`): `row` exactly as it is when given (the example row the
+    rollout was made from), else the rollout less the fields its verify answer added. Null task
+    fields stay; null request parameters (responses_create_params) of a rollout are left out
+    (module docstring)."""
+    if row is not None:
+        body = {**row, "response": rollout.get("response")}
+    else:
+        body = {k: v for k, v in rollout.items() if k not in VERIFY_ANSWER_KEYS}
+        params = body.get("responses_create_params")
+        if isinstance(params, dict):
+            body["responses_create_params"] = {k: v for k, v in params.items() if v is not None}
+    return body
 
 
 # ----------------------------------------------------------------------------- rows
@@ -466,6 +578,12 @@ class Verdict:
     fields /aggregate_metrics reads, kept in the audit record."""
     metrics: dict[str, float]
     """Numeric fields of the answer that the row did not send (library_reward, ...)."""
+    masked: bool = False
+    """mask_sample: the reward is no measurement (the server's infrastructure failed, not the
+    policy), so the sample is not trained on."""
+    failure_kind: str | None = None
+    """failure_kind (0.5+; a 0.4-style answer's _ng_failure_class stands in when it has none)."""
+    failure_reason: str | None = None
 
 
 def _number(x: Any) -> float | None:
@@ -486,36 +604,52 @@ def read_verdict(answer: Mapping[str, Any], sent: Mapping[str, Any], *, where: s
         record["response"] = {"usage": usage}
     metrics = {}
     for k, v in answer.items():
-        if k in sent or k in ECHOED_KEYS or k in ("reward", "reward_components") or k.startswith("_ng_"):
+        if k in sent or k in ECHOED_KEYS or k in VERIFY_ANSWER_KEYS or k.startswith("_ng_"):
             continue
         value = float(v) if isinstance(v, bool) else _number(v)
         if value is not None:
             metrics[f"verify_{k}"] = value
+    masked = answer.get("mask_sample", False)
+    kind, reason = answer.get("failure_kind"), answer.get("failure_reason")
+    kind = kind if isinstance(kind, str) or kind is None else json.dumps(kind)[:100]
+    kind = kind or (str(answer[NG_FAILURE_CLASS_KEY]) if answer.get(NG_FAILURE_CLASS_KEY) is not None else None)
+    reason = reason if isinstance(reason, str) or reason is None else json.dumps(reason)
+    if not isinstance(masked, bool):
+        # What the server meant cannot be told, so the sample is kept out of training.
+        return Verdict(0.0, {}, f"{where}: mask_sample must be true or false, got {json.dumps(masked)[:80]}; the "
+                       "sample is masked", record, metrics, True, kind, reason)  # fmt: skip
+    if masked:
+        error = f"{where} masked the sample (mask_sample true, failure_kind {kind!r}): {reason or 'no failure_reason'}"
+        if answer.get(NG_FAILURE_CLASS_KEY) is not None:
+            metrics["verify_failed"] = 1.0
+        return Verdict(_number(answer.get("reward")) or 0.0, {}, error, record, metrics, True, kind, reason)
     reward = _number(answer.get("reward"))
     if reward is None:
         return Verdict(0.0, {}, f"{where} answered without a finite number as reward: "
-                       f"reward={answer.get('reward')!r:.80}", record, metrics)  # fmt: skip
+                       f"reward={answer.get('reward')!r:.80}", record, metrics, False, kind, reason)  # fmt: skip
     components: dict[str, float] = {}
     raw = answer.get("reward_components")
     error = None
     if raw is not None:
         if not isinstance(raw, dict) or any(_number(v) is None for v in raw.values()):
             return Verdict(0.0, {}, f"{where}: reward_components must map names to finite numbers, got "
-                           f"{_excerpt(json.dumps(raw), 200)}", record, metrics)  # fmt: skip
+                           f"{_excerpt(json.dumps(raw), 200)}", record, metrics, False, kind, reason)  # fmt: skip
         components = {str(k): float(v) for k, v in raw.items()}
         try:
             total = math.fsum(components.values())
         except OverflowError:  # finite components whose sum is not
             return Verdict(0.0, components, f"{where}: reward_components {components} sum past the float range; "
-                           f"they cannot sum to reward {reward}", record, metrics)  # fmt: skip
+                           f"they cannot sum to reward {reward}", record, metrics, False, kind, reason)  # fmt: skip
         if abs(total - reward) > tolerance * max(1.0, abs(reward)):
             return Verdict(0.0, components, f"{where}: reward {reward} is not the sum of reward_components "
-                           f"{components} ({total}); NeMo RL requires them to sum", record, metrics)  # fmt: skip
+                           f"{components} ({total}); NeMo RL requires them to sum", record, metrics, False, kind,
+                           reason)  # fmt: skip
     failure = answer.get(NG_FAILURE_CLASS_KEY)
     if failure is not None:
         error = f"{where} reported {NG_FAILURE_CLASS_KEY}={failure!r} (reward {reward})"
         metrics["verify_failed"] = 1.0
-    return Verdict(reward, components, error, record, metrics)
+    # A failure_kind on an unmasked answer is a diagnosis: the reward is still a valid measurement.
+    return Verdict(reward, components, error, record, metrics, False, kind, reason)
 
 
 # ----------------------------------------------------------------------------- the environment
@@ -584,7 +718,9 @@ class NemoGymEnv(MultiTurnEnv):
     The tool loop is ptrain.envs.multi_turn's: each policy turn is its `_policy_turn`; what
     differs is that every row brings its own tools (its chat format is built per tool set)
     and every episode its own HTTP session, so the calls are answered here, by the server.
-    `stats["errors"]` counts episodes that a server failure (or an engine refusal) ended.
+    `stats["errors"]` counts episodes that a server failure (or an engine refusal) ended,
+    `stats["masked"]` those whose verify answer masked them, `stats["close_errors"]` the
+    /close_session calls that failed (the episode's result stands).
     """
 
     kind = "nemo_gym"
@@ -604,6 +740,11 @@ class NemoGymEnv(MultiTurnEnv):
         self.timeouts = Timeouts(options.connect_timeout_s, options.request_timeout_s, options.verify_timeout_s)
         self.bad_rows: list[BadRow] = []
         """Rows skipped (options.bad_rows=skip), with their file, line and problem."""
+        self.seed_body: str | None = None if options.seed_body == "auto" else options.seed_body
+        """The seed body this server gets ("legacy" or "session"; None until auto has asked)."""
+        self.has_close_session = True
+        """False once the server answered /close_session with 404 (NeMo Gym before 0.7)."""
+        self.stats.update(masked=0, close_errors=0)
         self._formats: dict[str, ChatFormat] = {}
         rows = self._load(options.rows)
         if not rows:
@@ -711,9 +852,10 @@ class NemoGymEnv(MultiTurnEnv):
         if isinstance(context, int) and context > 1:
             limit = min(limit, context)
         verdict = None
+        ids = SessionIds.new(self.name, task.id)
         async with ResourcesSession(self.url, self.timeouts, option_names=env_options(self.name)) as session:
             try:
-                seeded = await session.seed_session(dict(task.data))
+                seeded = await self._seed(session, ids, task.data)
                 end = len(state.token_ids)
                 state.add_turn(Turn("env", end, end, text=json.dumps(seeded), tool="seed_session"))
                 while not state.done:
@@ -738,9 +880,54 @@ class NemoGymEnv(MultiTurnEnv):
                 logger.exception("env %s task %s sample %d failed", self.name, task.id, j)
                 self._finish(state, "error", f"the episode against {self.url} failed unexpectedly "
                              f"({type(e).__name__}: {str(e)[:300]})")  # fmt: skip
+            finally:
+                # Whatever happened after the seed was sent: 0.7 servers release the episode's state.
+                await self._close(state, session, ids)
         state.result = self._result(state, verdict)
         self.stats["episodes"] += 1
         return state.trajectory(task)
+
+    async def _seed(self, session: ResourcesSession, ids: SessionIds, row: Mapping[str, Any]) -> dict[str, Any]:
+        """POST /seed_session with the body options.seed_body says. auto asks the server's
+        OpenAPI document once which body its seed takes (a document that is missing or says
+        nothing of it means legacy); when that GET gets no answer at all, this episode seeds
+        with the row, whose POST then reports the failure, and the next one asks again."""
+        body = self.seed_body
+        if body is None:
+            try:
+                reply = await session.get("/openapi.json", what=f" ({session.option_names[1]})")
+            except NemoGymError:
+                body = "legacy"
+            else:
+                ok = 200 <= reply.status < 300
+                body = self.seed_body = "session" if ok and takes_session_seed(reply.json) else "legacy"
+                logger.info("env %s: %s/seed_session gets the %s body", self.name, self.url, body)
+        if body == "session":
+            return await session.seed_resources_session(ids, row)
+        return await session.seed_session(dict(row))
+
+    async def _close(self, state: EpisodeState, session: ResourcesSession, ids: SessionIds) -> None:
+        """POST /close_session once the episode is over (an audit turn), unless the server is
+        known to lack it or never answered; a failure is counted and logged, never the episode's."""
+        if not self.has_close_session or not session.reached:
+            return
+        end = len(state.token_ids)
+        try:
+            reply = await session.close_resources_session(ids)
+        except NemoGymError as e:
+            error = str(e)
+        else:
+            if reply.status == 404:  # NeMo Gym before 0.7: no such route
+                self.has_close_session = False
+                return
+            if 200 <= reply.status < 300:
+                state.add_turn(Turn("env", end, end, text=reply.text, tool="close_session"))
+                return
+            error = f"POST {session.url}/close_session answered {reply.status}: {_excerpt(reply.text, 300)}"
+        self.stats["close_errors"] += 1
+        state.extra["close_error"] = True
+        logger.warning("env %s: %s", self.name, error)
+        state.add_turn(Turn("env", end, end, tool="close_session", error=error))
 
     async def _send_calls(self, state: EpisodeState, session: ResourcesSession, fmt: ChatFormat, limit: int) -> None:
         """POST each pending call of the last policy turn to its route (or answer an invalid
@@ -809,11 +996,15 @@ class NemoGymEnv(MultiTurnEnv):
     def _result(self, state: EpisodeState, verdict: Verdict | None) -> dict[str, Any]:
         """reward, components, reward_error and metrics of a finished episode."""
         reward, components, reward_error, extra = 0.0, {}, None, {}
+        masked, kind = False, None
         if verdict is not None:
             reward, components, reward_error, extra = (verdict.reward, dict(verdict.components),
                                                        verdict.reward_error, verdict.metrics)  # fmt: skip
+            masked, kind = verdict.masked, verdict.failure_kind
             if reward_error is not None:
                 self.stats["reward_errors"] += 1
+            if masked:
+                self.stats["masked"] += 1
         if state.invalid_tool_calls and self.options.invalid_call_penalty:
             components = components or {"verify": reward}
             components["invalid_tool_call"] = -float(self.options.invalid_call_penalty)
@@ -831,17 +1022,22 @@ class NemoGymEnv(MultiTurnEnv):
             "truncated": float(state.finish_reason in ("length", "token_limit")),
             "aborted": float(state.finish_reason == "abort"),
             "reward_error": float(reward_error is not None),
+            "masked": float(masked),
+            "close_errors": float(bool(state.extra.get("close_error"))),
+            **({f"failure_kind/{kind}": 1.0} if kind else {}),
             **extra,
         }
-        return {"reward": reward, "reward_components": components, "reward_error": reward_error, "metrics": metrics}
+        return {"reward": reward, "reward_components": components, "reward_error": reward_error, "metrics": metrics,
+                "masked": masked, "failure_kind": kind}  # fmt: skip
 
     async def aggregate_metrics(self, trajectories: Iterable[Trajectory]) -> dict[str, Any]:
         """The server's /aggregate_metrics over the verify answers of these episodes (grouped
-        by task, with their sample index): group_level_metrics, agent_metrics, key_metrics."""
+        by task, with their sample index): group_level_metrics, agent_metrics, key_metrics.
+        Masked episodes are left out, as NeMo Gym leaves them out of its own aggregates."""
         entries, task_index = [], {}
         for t in trajectories:
             record = verify_record(t)
-            if record is not None:
+            if record is not None and not t.masked:
                 index = task_index.setdefault(t.task.id, len(task_index))
                 entries.append({**record, TASK_INDEX_KEY: index, ROLLOUT_INDEX_KEY: t.sample_index})
         async with ResourcesSession(self.url, self.timeouts, option_names=env_options(self.name)) as session:
@@ -867,56 +1063,75 @@ def input_key(responses_input: Any) -> str:
     return json.dumps(key)
 
 
-def join_task_fields(rollout: dict[str, Any], rows_by_input: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
-    """The rollout with the task fields of its example row (same input messages) that it lacks."""
-    params = rollout.get("responses_create_params") or {}
-    row = rows_by_input.get(input_key(params.get("input")))
-    if row is None:
-        return rollout
-    return {**{k: v for k, v in row.items() if k != "responses_create_params"}, **rollout}
+def example_row(rollout: Mapping[str, Any], rows_by_input: Mapping[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """The example row with the rollout's input messages (None when there is none)."""
+    params = rollout.get("responses_create_params")
+    return rows_by_input.get(input_key(params.get("input") if isinstance(params, dict) else None))
 
 
 async def reverify_one(
     url: str,
-    rollout: dict[str, Any],
+    rollout: Mapping[str, Any],
     *,
+    row: Mapping[str, Any] | None = None,
     replay_tools: bool = True,
     timeouts: Timeouts = Timeouts(),
 ) -> dict[str, Any]:
     """Seed a session with the recorded row, replay its function calls (so stateful servers
-    have the state the episode built), /verify it; the verdict, and how the replayed tool
-    answers compare with the recorded ones."""
-    body = drop_nulls({k: v for k, v in rollout.items() if k not in ("reward", "reward_components")})
+    have the state the episode built), /verify it, close the session (0.7); the verdict, and
+    how the replayed tool answers compare with the recorded ones. `row`: the example row the
+    rollout was made from (recorded_verify_body)."""
+    body = recorded_verify_body(rollout, row)
     out: dict[str, Any] = {}
+    response = body.get("response") if isinstance(body.get("response"), dict) else {}
+    outputs = [o for o in response.get("output") or () if isinstance(o, dict)]
+    ids = SessionIds.new("reverify", "rollout")
     async with ResourcesSession(url, timeouts) as session:
-        if replay_tools:
-            seed = {k: v for k, v in body.items() if k != "response"}
-            await session.seed_session(seed)
-            recorded = {
-                o.get("call_id"): o.get("output")
-                for o in (body.get("response") or {}).get("output", [])
-                if o.get("type") == "function_call_output"
-            }
-            replayed = differ = 0
-            for item in (body.get("response") or {}).get("output", []):
-                if item.get("type") != "function_call":
-                    continue
+        try:
+            if replay_tools:
+                await session.seed_session({k: v for k, v in body.items() if k != "response"})
+                recorded = {
+                    o.get("call_id"): o.get("output") for o in outputs if o.get("type") == "function_call_output"
+                }
+                replayed = differ = 0
+                for item in outputs:
+                    if item.get("type") != "function_call":
+                        continue
+                    try:
+                        arguments = json.loads(item.get("arguments") or "{}")
+                    except ValueError:
+                        continue  # NeMo Gym's agent answers such a call itself, without the server
+                    reply = await session.call_tool(item["name"], arguments)
+                    replayed += 1
+                    if item.get("call_id") in recorded and _same_json(reply.text, recorded[item.get("call_id")]):
+                        continue
+                    differ += 1
+                out.update(tool_calls_replayed=replayed, tool_answers_differ=differ)
+            started = time.monotonic()
+            answer = await session.verify(body)
+            out["verify_s"] = round(time.monotonic() - started, 3)
+        finally:
+            if session.reached:
                 try:
-                    arguments = json.loads(item.get("arguments") or "{}")
-                except ValueError:
-                    continue  # NeMo Gym's agent answers such a call itself, without the server
-                reply = await session.call_tool(item["name"], arguments)
-                replayed += 1
-                if item.get("call_id") in recorded and _same_json(reply.text, recorded[item.get("call_id")]):
-                    continue
-                differ += 1
-            out.update(tool_calls_replayed=replayed, tool_answers_differ=differ)
-        started = time.monotonic()
-        answer = await session.verify(body)
-        out["verify_s"] = round(time.monotonic() - started, 3)
+                    closed = await session.close_resources_session(ids)
+                    if closed.status != 404 and not 200 <= closed.status < 300:
+                        out["close_error"] = f"POST {session.url}/close_session answered {closed.status}"
+                except NemoGymError as e:
+                    out["close_error"] = str(e)
     verdict = read_verdict(answer, body, where=f"POST {url.rstrip('/')}/verify")
+    failure = {"masked": True} if verdict.masked else {}
+    failure.update({k: v for k, v in (("failure_kind", verdict.failure_kind),
+                                      ("failure_reason", verdict.failure_reason)) if v is not None})  # fmt: skip
     return {"reward": verdict.reward, **({"reward_components": verdict.components} if verdict.components else {}),
-            **({"reward_error": verdict.reward_error} if verdict.reward_error else {}), **out}  # fmt: skip
+            **({"reward_error": verdict.reward_error} if verdict.reward_error else {}), **failure, **out}  # fmt: skip
+
+
+async def reverify_mode(url: str, timeouts: Timeouts = Timeouts()) -> str | None:
+    """What GET /reverify_mode says (0.5+: "stateless", "unsupported" or "unknown"); None when
+    the server has no such route (0.4) or answers something else."""
+    async with ResourcesSession(url, timeouts) as session:
+        reply = await session.get("/reverify_mode")
+    return reply.json if 200 <= reply.status < 300 and isinstance(reply.json, str) else None
 
 
 def _same_json(a: str, b: Any) -> bool:
@@ -955,9 +1170,8 @@ async def reverify(
         recorded = rollout.get("reward")
         async with gate:
             try:
-                verdict = await reverify_one(
-                    url, join_task_fields(rollout, rows_by_input), replay_tools=replay_tools, timeouts=timeouts
-                )
+                verdict = await reverify_one(url, rollout, row=example_row(rollout, rows_by_input),
+                                             replay_tools=replay_tools, timeouts=timeouts)  # fmt: skip
             except NemoGymError as e:
                 return {**result, "error": str(e), "recorded_reward": recorded}
         return {**result, **verdict, "recorded_reward": recorded,
@@ -968,6 +1182,19 @@ async def reverify(
 
 def _cli_reverify(args: argparse.Namespace) -> int:
     timeouts = Timeouts(connect_s=args.connect_timeout, request_s=args.timeout, verify_s=args.verify_timeout)
+    try:
+        mode = asyncio.run(reverify_mode(args.url, timeouts))
+    except NemoGymError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if mode == "unsupported" and not args.force:
+        print(f"error: {args.url}/reverify_mode says 'unsupported': this server's rewards cannot be computed again "
+              "from a recorded rollout (its verifier needs the episode's live state); pass --force to re-verify "
+              "anyway", file=sys.stderr)  # fmt: skip
+        return 2
+    if mode == "unsupported":
+        print(f"warning: {args.url}/reverify_mode says 'unsupported'; the rewards below may be wrong (--force)",
+              file=sys.stderr)  # fmt: skip
     try:
         results = asyncio.run(
             reverify(
@@ -985,7 +1212,7 @@ def _cli_reverify(args: argparse.Namespace) -> int:
     rewards = []
     for r in results:
         print(json.dumps(r), flush=True)
-        if "error" not in r:
+        if "error" not in r and not r.get("masked"):
             rewards.append(r["reward"])
     mean = math.fsum(rewards) / len(rewards) if rewards else float("nan")
     print(f"mean_reward {mean}")
@@ -1004,8 +1231,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "reverify",
         help="re-send recorded rollouts to /verify; one JSON line per row, then `mean_reward <value>`",
         description="Re-verify recorded rollouts (a server's data/example_rollouts.jsonl): per row, seed a "
-        "session, replay its function calls, POST /verify; print one JSON object per row with its reward, then "
-        "a last line `mean_reward <value>`. Exit 1 when a row could not be verified.",
+        "session, replay its function calls, POST /verify, close the session (NeMo Gym 0.7); print one JSON object "
+        "per row with its reward (and masked, failure_kind, failure_reason when the answer has them), then a last "
+        "line `mean_reward <value>` over the rows not masked. Exit 1 when a row could not be verified.",
     )
     r.add_argument("rollouts", metavar="ROLLOUTS.jsonl", help="recorded verify answers: row + response + reward")
     r.add_argument("--url", required=True, help="the resources server's base URL, e.g. http://127.0.0.1:8001")
@@ -1013,6 +1241,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="rows whose task fields the rollouts lack, joined by their input messages")  # fmt: skip
     r.add_argument("--verify-only", action="store_true",
                    help="send only /verify (no /seed_session, no replayed tool calls)")  # fmt: skip
+    r.add_argument("--force", action="store_true",
+                   help="re-verify even when the server's /reverify_mode says 'unsupported'")  # fmt: skip
     r.add_argument("--timeout", type=float, default=60.0, help="seconds for a seed or tool call (default 60)")
     r.add_argument("--verify-timeout", type=float, default=300.0, help="seconds for a /verify (default 300)")
     r.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to connect (default 5)")

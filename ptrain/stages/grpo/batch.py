@@ -13,15 +13,21 @@ One trajectory per row, `[B, L]` with L = train.seq_len, so the step compiles on
 
 The shift keeps the batch contract of SFT (ptrain/__init__.py): position i predicts
 target i. Token ids are used exactly as the engine and the environment produced them.
+
+A masked trajectory (`Trajectory.masked`: its environment says the reward is no measurement,
+NeMo Gym's mask_sample) is trained on by no row, and `measured_advantages` leaves its reward
+out of its group's baseline.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import jax.numpy as jnp
 import numpy as np
 
 from ptrain.envs.base import Trajectory
+from ptrain.losses.advantages import AdvantageAux, group_advantages
 
 POLICY_BATCH_KEYS = (
     "input_ids", "target_ids", "positions", "segment_ids", "loss_mask", "engine_logp", "advantages", "row_valid",
@@ -43,8 +49,11 @@ def policy_batch(
     seq_len + 1 and is counted in `clipped_trajectories` (the stage's config check makes that
     rare: prompts + max_new_tokens should fit).
 
+    A masked trajectory gets no row content (row_valid 0, no loss tokens), counted in
+    `masked_samples`.
+
     Returns (batch, counts): counts has `trajectories`, `clipped_trajectories`,
-    `masked_truncated`, `loss_tokens`.
+    `masked_truncated`, `masked_samples`, `loss_tokens`.
     """
     if len(trajectories) > rows:
         raise ValueError(f"{len(trajectories)} trajectories do not fit {rows} rows; raise the batch or split it")
@@ -61,8 +70,11 @@ def policy_batch(
         "advantages": np.zeros((rows,), np.float32),
         "row_valid": np.zeros((rows,), np.float32),
     }
-    clipped = masked = 0
+    clipped = masked = dropped = 0
     for b, (t, adv) in enumerate(zip(trajectories, advantages)):
+        if t.masked:
+            dropped += 1
+            continue
         ids = np.asarray(t.token_ids, np.int32)
         mask = np.asarray(t.loss_mask, np.float32)
         logp = np.asarray(t.logprobs, np.float32)
@@ -88,6 +100,50 @@ def policy_batch(
         "trajectories": float(len(trajectories)),
         "clipped_trajectories": float(clipped),
         "masked_truncated": float(masked),
+        "masked_samples": float(dropped),
         "loss_tokens": float(batch["loss_mask"].sum()),
     }
     return batch, counts
+
+
+def measured_advantages(
+    rewards_BxG: np.ndarray, masked_BxG: np.ndarray, *, cfg, invalid_BxG: np.ndarray
+) -> tuple[np.ndarray, AdvantageAux]:
+    """`group_advantages` with masked samples left out: each group's baseline (and std) comes
+    from its measured samples only, and a masked sample's advantage is 0.
+
+    rewards_BxG float [B, G]; masked_BxG, invalid_BxG bool [B, G]. Without a masked sample this
+    is `group_advantages(rewards_BxG, cfg=cfg, invalid_BxG=invalid_BxG)` itself. A group left with
+    fewer than 2 measured samples has no baseline to compare against and carries no signal:
+    advantages 0 (cfg.invalid_tool_call_advantage still applies to an invalid measured sample),
+    counted in frac_zero_std. The aux statistics are over measured samples: reward_mean their
+    mean, reward_std the mean over groups of their std (0 for a group with fewer than 2),
+    advantage_abs_mean over all samples as returned.
+    """
+    rewards = np.asarray(rewards_BxG, np.float32)
+    masked = np.asarray(masked_BxG, bool)
+    invalid = np.asarray(invalid_BxG, bool)
+    if not masked.any():
+        adv, aux = group_advantages(jnp.asarray(rewards), cfg=cfg, invalid_BxG=jnp.asarray(invalid))
+        return np.asarray(adv), aux
+    adv = np.zeros_like(rewards)
+    zero_std, stds = np.zeros(len(rewards), bool), np.zeros(len(rewards), np.float32)
+    for i in range(len(rewards)):
+        keep = ~masked[i]
+        if keep.sum() >= 2:
+            a, aux_i = group_advantages(jnp.asarray(rewards[i, keep][None]), cfg=cfg,
+                                        invalid_BxG=jnp.asarray(invalid[i, keep][None]))  # fmt: skip
+            adv[i, keep] = np.asarray(a)[0]
+            zero_std[i], stds[i] = bool(aux_i.frac_zero_std > 0), float(aux_i.reward_std)
+        else:
+            zero_std[i] = True
+            if cfg.invalid_tool_call_advantage is not None:
+                adv[i, keep & invalid[i]] = cfg.invalid_tool_call_advantage
+    measured = rewards[~masked]
+    aux = AdvantageAux(
+        frac_zero_std=jnp.float32(zero_std.mean()),
+        reward_mean=jnp.float32(measured.mean() if measured.size else 0.0),
+        reward_std=jnp.float32(stds.mean()),
+        advantage_abs_mean=jnp.float32(np.abs(adv).mean()),
+    )
+    return adv, aux

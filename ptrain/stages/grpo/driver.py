@@ -31,15 +31,13 @@ from collections import deque
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ptrain.config import RunConfig
 from ptrain.config.grpo import staleness_bound
-from ptrain.losses.advantages import group_advantages
 from ptrain.rollout.protocol import EngineUnavailable, SamplingParams
 from ptrain.stages.env_metrics import is_correct
-from ptrain.stages.grpo.batch import policy_batch
+from ptrain.stages.grpo.batch import measured_advantages, policy_batch
 from ptrain.stages.grpo.collector import Group, RolloutCollector
 from ptrain.stages.loop import Algorithm, train_evaluate_export
 from ptrain.stages.setup import Stage, setup_stage, tokenizer_for
@@ -235,15 +233,16 @@ class RolloutBatches:
             rounds += 1
             seen += got
             for g in got:
-                rewards = [t.reward for t in g.trajectories]
-                if cfg.dynamic_sampling and max(rewards) == min(rewards):
+                rewards = [t.reward for t in g.trajectories if not t.masked]  # a masked reward is no measurement
+                if cfg.dynamic_sampling and len(set(rewards)) <= 1:
                     dropped_zero_std += 1
                     continue
                 groups.append(g)
-        failed = [t.error for g in seen for t in g.trajectories if t.error is not None]
+        failed = [t.error if t.error is not None else f"masked by its environment: {t.reward_error}"
+                  for g in seen for t in g.trajectories if t.error is not None or t.masked]  # fmt: skip
         if failed and len(failed) == sum(len(g.trajectories) for g in seen):
-            # A batch of nothing but failures trains on nothing, and so would the next ones:
-            # stop resumably (the task order is put back) instead of finishing an empty stage.
+            # A batch of nothing but failures (or masked samples) trains on nothing, and so would the
+            # next ones: stop resumably (the task order is put back) instead of finishing an empty stage.
             raise EngineUnavailable(
                 f"every one of the {len(failed)} samples of this rollout batch failed, so it has nothing to "
                 f"train on; the first: {failed[0]}"
@@ -258,8 +257,10 @@ class RolloutBatches:
 
         rewards = shaped_rewards(groups, cfg)
         invalid = np.array([[t.metrics.get("invalid_tool_calls", 0) > 0 for t in g.trajectories] for g in groups])
+        masked = np.array([[t.masked for t in g.trajectories] for g in groups], bool)
         # cfg is an AdvantageConfig (algo.grpo extends it): baseline, normalize_std, invalid_tool_call_advantage.
-        adv, adv_aux = group_advantages(jnp.asarray(rewards), cfg=cfg, invalid_BxG=jnp.asarray(invalid, bool))
+        # Masked samples (no valid reward) stay out of their group's baseline and get no row.
+        adv, adv_aux = measured_advantages(rewards, masked, cfg=cfg, invalid_BxG=invalid)
         trajectories = [t for g in groups for t in g.trajectories]
         flat_adv = np.asarray(adv).reshape(-1)
         batch, counts = policy_batch(
@@ -292,7 +293,8 @@ class RolloutBatches:
         m: dict[str, float] = {}
         lengths = np.array([t.tokens.output for t in trajectories], np.float32)
         correct = np.array([float(is_correct(t)) for t in trajectories])
-        m["reward/mean"] = float(rewards.mean())
+        measured = np.array([not t.masked for t in trajectories])
+        m["reward/mean"] = float(rewards.reshape(-1)[measured].mean()) if measured.any() else 0.0
         m["reward/std"] = float(adv_aux.reward_std)
         m["frac_zero_std_groups"] = float(adv_aux.frac_zero_std)
         m["pass_rate"] = float(correct.mean())
@@ -305,6 +307,7 @@ class RolloutBatches:
         m["truncated_frac"] = float(np.mean([t.finish_reason in ("length", "token_limit") for t in trajectories]))
         m["reward_errors"] = float(sum(t.reward_error is not None for t in trajectories))
         m["env_errors"] = float(sum(t.error is not None for t in trajectories))
+        m["masked_samples"] = float(sum(t.masked for t in trajectories))
         m["dropped_zero_std_groups"] = float(dropped_zero_std)
         m["dropped_stale_groups"] = float(self.collector.stats["dropped_stale"] - stats0["dropped_stale"])
         m["staleness/mean"] = float(np.mean([self.version - g.version for g in groups]))
@@ -319,6 +322,10 @@ class RolloutBatches:
         for t in trajectories:
             by_env.setdefault(t.task.env, []).append(t)
         for env, ts in by_env.items():
+            m[f"masked_samples/{env}"] = float(sum(t.masked for t in ts))
+            for kind in sorted({t.failure_kind for t in ts} - {None}):
+                m[f"failure_kind/{env}/{kind}"] = float(sum(t.failure_kind == kind for t in ts))
+            ts = [t for t in ts if not t.masked] or ts  # reward statistics of measured samples
             r = np.array([t.reward for t in ts], np.float32)
             m[f"reward/{env}/mean"] = float(r.mean())
             m[f"reward/{env}/std"] = float(r.std())
