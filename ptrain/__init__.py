@@ -37,10 +37,14 @@ _API = {
     "Datum": "ptrain.client",
     "AdamParams": "ptrain.client",
 }
-__all__ = sorted(_API)
+__all__ = sorted([*_API, "continuous"])
 
 
 def __getattr__(name: str):
+    if name == "continuous":  # a callable module: ptrain.continuous(...) runs the loop
+        import importlib
+
+        return importlib.import_module("ptrain.continuous")
     if name in _API:
         import importlib
 

@@ -66,7 +66,12 @@ def run(
     """Run every stage of a recipe (by name) or of a RunConfig, in this process, as the CLI
     does: finished stages are skipped, an unfinished one resumes. `run_dir` replaces the
     config's (default runs/<name>)."""
-    cfg = _config(recipe_or_config, overrides, run_dir)
+    cfg = as_config(recipe_or_config, overrides, run_dir)
+    if cfg.continuous.enabled:
+        raise ConfigError(
+            "config key 'continuous.enabled': this recipe is a continuous loop, which never ends on its own; run it "
+            "with ptrain.continuous(recipe, inbox=DIR, ...) (or pass continuous.enabled=false to run its stages once)"
+        )
     return _run_stages(cfg)
 
 
@@ -114,7 +119,7 @@ def run_stage(
     `values` are overrides as nested mappings of the top-level nodes,
     `train={"steps": 4}, optim={"lr": 1e-3}`, applied after `overrides`.
     """
-    cfg = _config(config, list(_as_overrides(overrides)) + _dotted(values), run_dir)
+    cfg = as_config(config, list(_as_overrides(overrides)) + dotted_overrides(values), run_dir)
     from ptrain.config.stages import STAGES
 
     if kind not in STAGES:
@@ -139,7 +144,9 @@ def _run_stages(cfg: RunConfig, only: str | None = None) -> RunResult:
     return run_stages(cfg, only=only)
 
 
-def _config(config: str | RunConfig | None, overrides: Overrides, run_dir: str | None) -> RunConfig:
+def as_config(config: str | RunConfig | None, overrides: Overrides, run_dir: str | None) -> RunConfig:
+    """The RunConfig of a recipe name, a RunConfig or the defaults (None), with overrides and
+    a run_dir applied (what every entry point of the API starts from)."""
     overrides = _as_overrides(overrides)
     if isinstance(config, RunConfig):
         cfg = _with_overrides(config, overrides) if overrides else config
@@ -208,14 +215,14 @@ def _as_overrides(overrides: Overrides) -> list[str]:
     return out
 
 
-def _dotted(values: Mapping[str, Any], prefix: str = "") -> list[str]:
+def dotted_overrides(values: Mapping[str, Any], prefix: str = "") -> list[str]:
     """{"train": {"steps": 4}} -> ["train.steps=4"] (values in Hydra's override grammar)."""
     import json
 
     out = []
     for key, value in values.items():
         if isinstance(value, Mapping) and value:
-            out.extend(_dotted(value, f"{prefix}{key}."))
+            out.extend(dotted_overrides(value, f"{prefix}{key}."))
         elif isinstance(value, str):
             out.append(f"{prefix}{key}={json.dumps(value)}")
         elif value is None:
@@ -239,3 +246,4 @@ def _one_line(e: BaseException) -> str:
     text = str(e).split("Config search path")[0]  # Hydra appends its whole search path
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return " ".join(lines).replace(": ", ": ", 1)
+

@@ -155,18 +155,24 @@ def done_path(stage_dir: str) -> str:
     return os.path.join(stage_dir, "DONE.json")
 
 
-def is_done(stage_dir: str) -> bool:
-    return os.path.isfile(done_path(stage_dir)) and os.path.isdir(os.path.join(stage_dir, "export"))
+def is_done(stage_dir: str, exports: bool = True) -> bool:
+    """DONE.json is there, and so is the export of a stage that writes one."""
+    return os.path.isfile(done_path(stage_dir)) and (not exports or os.path.isdir(os.path.join(stage_dir, "export")))
+
+
+def write_json_atomic(path: str, obj) -> None:
+    """Write JSON so that a reader (or a crash) sees the old file or the whole new one."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, default=float)
+        f.flush()
+        os.fsync(f.fileno())  # a crash right after the rename must not leave an empty file
+    os.replace(tmp, path)
 
 
 def mark_done(stage_dir: str, summary: dict) -> None:
     """Atomically write DONE.json (after the export is complete)."""
-    tmp = done_path(stage_dir) + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(summary, f, indent=2, default=float)
-        f.flush()
-        os.fsync(f.fileno())  # a crash right after the rename must not leave an empty marker
-    os.replace(tmp, done_path(stage_dir))
+    write_json_atomic(done_path(stage_dir), summary)
 
 
 def read_done(stage_dir: str) -> dict:

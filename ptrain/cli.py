@@ -88,6 +88,11 @@ def _run(cfg: DictConfig) -> dict:
     from ptrain.stages.loop import StageStopped, TrainingDiverged
 
     try:
+        if run.continuous.enabled:
+            from ptrain.continuous import run_config
+
+            result = run_config(run)
+            return {"rounds": len(result.rounds), "champion": result.champion, "stopped": result.stopped}
         return run_api(run).last.summary
     except (ConfigError, FileNotFoundError) as e:  # checks that need the devices or the files
         return _fail("config error", e, 2)

@@ -114,7 +114,7 @@ def final_metrics(metrics_path: str) -> dict[str, float]:
 def stage_result(run: RunConfig, stage: StageConfig) -> StageResult:
     """What a stage's folder holds now."""
     sdir = stage_dir(run, stage.name)
-    done = is_done(sdir)
+    done = is_done(sdir, STAGES[stage.kind].exports)
     summary = read_done(sdir) if done else {}
     path = os.path.join(sdir, "metrics.jsonl")
     metrics = final_metrics(path) or {
@@ -139,7 +139,7 @@ def run_stages(run: RunConfig, only: str | None = None) -> RunResult:
         if only is not None and stage.name != only:
             continue
         sdir = stage_dir(run, stage.name)
-        if is_done(sdir):
+        if is_done(sdir, STAGES[stage.kind].exports):
             result = stage_result(run, stage)  # reads DONE.json: a damaged marker is an error here
             print(f"ptrain: stage '{stage.name}' already finished ({sdir}); skipping", flush=True)
             results[stage.name] = result

@@ -141,7 +141,12 @@ def recipe_row(name: str) -> list[str]:
     import ptrain
     from ptrain.config.stages import STAGES
 
-    run = ptrain.compose(name)
+    try:
+        run = ptrain.compose(name)
+    except ptrain.ConfigError as e:
+        if "continuous.inbox" not in str(e):
+            raise
+        run = ptrain.compose(name, ["continuous.inbox=INBOX"])  # a loop's inbox is the launch's to give
     stages = ", ".join(f"{s.name} ({s.kind})" for s in run.stages)
     algos = [(s.name, stage_algorithm(run, s)) for s in run.stages]
     algos = [(n, a) for n, a in algos if a is not None]

@@ -17,6 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 from ptrain.config import choices as C
 from ptrain.config.algo import AlgoConfig, validate_rm
 from ptrain.config.choices import one_of
+from ptrain.config.continuous import ContinuousConfig
 from ptrain.config.cost import CostConfig
 from ptrain.config.data import DataConfig, validate_data_config
 from ptrain.config.distributed import DistributedConfig
@@ -63,7 +64,12 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """The rollout engine of stages that sample (grpo, eval): local or an SGLang fleet."""
     cost: CostConfig = field(default_factory=CostConfig)
-    """Prices behind the cost accounting of sampling stages."""
+    """Prices behind the cost accounting of sampling stages and of continuous rounds (the
+    defaults are public list prices: ptrain/config/cost.py)."""
+    continuous: ContinuousConfig = field(default_factory=ContinuousConfig)
+    """Continuous post-training (ptrain.config.continuous): with `continuous.enabled` the
+    recipe's stages up to its GRPO stage make the first champion, and each round trains a
+    challenger from the champion over every environment the inbox has brought."""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     """Isolation and limits of model-written code that environments run (code tests, the
     tool_use python and bash tools, terminal tasks): `sandbox.backend=bwrap`,
@@ -522,6 +528,16 @@ def validate(run: RunConfig) -> None:
             )
     for s in run.stages:
         stage_config(run, s)  # validates every stage's merged values
+    for key, msg in run.continuous.problems()[:1]:
+        raise ConfigError(f"config key '{key}': {msg}")
+    if run.continuous.enabled:
+        grpo = [i for i, s in enumerate(run.stages) if s.kind == "grpo"]
+        _check(
+            bool(grpo) and grpo[0] == len(run.stages) - 1,
+            "stages",
+            "continuous post-training trains each round with the recipe's GRPO stage, which must be its last "
+            f"stage (the stages before it make the first champion); got {[f'{s.name}:{s.kind}' for s in run.stages]}",
+        )
 
 
 def _validate_values(run: RunConfig, where: str = "") -> None:

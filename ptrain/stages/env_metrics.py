@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import re
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -77,6 +78,28 @@ def calls_a_tool(t: Trajectory) -> bool:
     return any(TOOL_CALL_OPEN in text for text in policy_texts(t))
 
 
+ABSTENTION = re.compile(
+    r"\b(i (do not|don't|cannot|can't) (know|answer|help|solve|determine|say)|i('m| am) (not sure|unable to)|"
+    r"not enough information|(could|can) you (please )?(clarify|specify|provide))\b",
+    re.IGNORECASE,
+)
+
+
+def abstained(t: Trajectory) -> bool:
+    """The episode's last policy turn gives no answer: nothing outside <think>...</think>, a
+    refusal to answer ("I don't know", "I cannot answer"), or a clarifying question back.
+    The hack Cursor reported of its Composer RL (questions instead of edits) reads as this."""
+    if t.error is not None or t.finish_reason in ("length", "token_limit"):
+        return False  # a failed or cut episode did not choose to stop short
+    texts = policy_texts(t)
+    if not texts:
+        return True
+    text = texts[-1]
+    end = text.rfind(THINK_CLOSE)
+    answer = (text[end + len(THINK_CLOSE) :] if end >= 0 else text.split(THINK_OPEN)[0]).strip()
+    return not answer or bool(ABSTENTION.search(answer))
+
+
 def summarize(
     trajectories_by_task: Sequence[Sequence[Trajectory]], ks: Sequence[int], *, declares_tools: bool = True
 ) -> dict[str, float]:
@@ -91,6 +114,7 @@ def summarize(
         "reasoning_chars": float(split[:, 0].mean()),
         "answer_chars": float(split[:, 1].mean()),
         "truncated_frac": float(np.mean([t.finish_reason in ("length", "token_limit") for t in flat])),
+        "abstained": float(np.mean([abstained(t) for t in flat])),
         "reward_errors": float(sum(t.reward_error is not None for t in flat)),
         "env_errors": float(sum(t.error is not None for t in flat)),
         "tokens_prompt_uncached": float(sum(t.tokens.prompt_uncached for t in flat)),
@@ -148,7 +172,14 @@ def think_end_ids(env: Environment) -> tuple[int, ...]:
 
 
 def evaluate_envs(
-    envs: Mapping[str, Environment], engine, cfg, *, seed: int = 0, audit=None, strict: bool = False
+    envs: Mapping[str, Environment],
+    engine,
+    cfg,
+    *,
+    seed: int = 0,
+    audit=None,
+    strict: bool = False,
+    by_task: dict[str, dict[str, dict[str, float]]] | None = None,
 ) -> dict[str, float]:
     """Greedy `<env>/<metric>` for every environment (pass@1, reward, lengths, tool use,
     tokens), with cfg.samples > 0 also `<env>/sampled/<metric>` over that many samples at
@@ -157,7 +188,10 @@ def evaluate_envs(
     them: ptrain/envs/mixture.py env_task_seed) and the base of the sampling seeds.
     `cfg` is an algo.eval config; `audit` an AuditLog for every episode (record "eval").
     strict: ValueError when every episode of an environment failed (the engine refused every
-    prompt, its server is unreachable): its numbers would be zeros that measure nothing."""
+    prompt, its server is unreachable): its numbers would be zeros that measure nothing.
+    by_task: a dict to fill with each task's accuracy (the share of its samples that are
+    correct), as by_task[decoding][env][task id], decoding "greedy", "sampled" or "budget_B":
+    what a paired comparison of two models over the same tasks needs."""
     runs = [("", SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=0.0, n=1), (1,), None)]
     if cfg.samples > 0:
         sampled = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, n=cfg.samples)
@@ -187,6 +221,10 @@ def evaluate_envs(
                     f"every one of the {len(flat)} {prefix.rstrip('/') or 'greedy'} episodes of environment "
                     f"'{name}' failed, the first with: {flat[0].error}"
                 )
+            if by_task is not None:
+                scores = by_task.setdefault(prefix.rstrip("/") or "greedy", {}).setdefault(name, {})
+                for task, ts in zip(tasks, results):
+                    scores[task.id] = float(np.mean([is_correct(t) for t in ts])) if ts else 0.0
             summary = summarize(results, ks, declares_tools=declares_tools(env))
             if prefix:
                 summary["accuracy"] = float(np.mean([is_correct(t) for t in flat])) if flat else 0.0

@@ -5,8 +5,9 @@ reward, pass@k, lengths, tool use and token counts.
     stages: [{name: sft, kind: sft}, {name: eval, kind: eval}]      # ends any recipe
 
 It trains nothing: its metrics go to metrics.jsonl (step 0) and DONE.json, every episode to
-audit.jsonl, and a later stage starts from the weights this one evaluated (the pipeline
-looks through eval stages for "previous").
+audit.jsonl, each held-out task's accuracy to scores.json ({decoding: {env: {task id:
+accuracy}}}, what a paired comparison of two models reads), and a later stage starts from
+the weights this one evaluated (the pipeline looks through eval stages for "previous").
 
 With `algo.eval.lm_eval.tasks` set, the stage also runs those lm-evaluation-harness tasks
 against its engine, served in process on a loopback port with ptrain.serve's routes
@@ -28,7 +29,7 @@ def run_eval_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
     """Evaluate the model at init_path (None: the embedded one) on the stage's environments."""
     import dataclasses
 
-    from ptrain.checkpoint import mark_done
+    from ptrain.checkpoint import mark_done, write_json_atomic
     from ptrain.config.seeds import component_seed
     from ptrain.envs.audit import AuditLog
     from ptrain.envs.registry import close_envs, make_env
@@ -82,13 +83,17 @@ def run_eval_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
         # A fleet gets these weights now (the local engine has them already).
         if run.rollout.kind != "local":
             engine.update_weights(params, model_state or None, weight_version="eval", mode="abort")
-        metrics = evaluate_envs(envs, engine, cfg, seed=component_seed(run, "train.seed"), audit=audit, strict=True)
+        by_task: dict = {}
+        metrics = evaluate_envs(
+            envs, engine, cfg, seed=component_seed(run, "train.seed"), audit=audit, strict=True, by_task=by_task
+        )
         if cfg.lm_eval.tasks:
             from ptrain.serve.lm_harness import run_lm_eval  # lm-eval is optional: loaded only when asked
 
             results_path = os.path.join(stage_dir, "lm_eval.json")
             metrics.update(run_lm_eval(engine, tokenizer, cfg.lm_eval, model_path=model_dir, results_path=results_path))
         logger.log(0, metrics, prefix="eval")
+        write_json_atomic(os.path.join(stage_dir, "scores.json"), by_task)
     except EngineUnavailable as e:
         # Nothing to checkpoint: the stage is not marked done, so a re-launch evaluates afresh.
         raise StageStopped(

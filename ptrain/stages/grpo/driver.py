@@ -34,6 +34,7 @@ import jax
 import numpy as np
 
 from ptrain.config import RunConfig
+from ptrain.config.cost import cpu_cores
 from ptrain.config.grpo import staleness_bound
 from ptrain.rollout.protocol import EngineUnavailable, SamplingParams
 from ptrain.stages.env_metrics import is_correct
@@ -79,13 +80,14 @@ def groups_ahead(cfg) -> int:
 class RolloutBatches:
     """The loop's batches for an RL stage: rollout batches split into optimizer steps."""
 
-    def __init__(self, stage: Stage, collector: RolloutCollector, engine, *, costs, devices: int):
+    def __init__(self, stage: Stage, collector: RolloutCollector, engine, *, costs, hour_usd: float):
         self.stage = stage
         self.cfg = stage.run.algo.grpo
         self.collector = collector
         self.engine = engine
         self.costs = costs
-        self.devices = devices
+        self.hour_usd = hour_usd
+        """What one wall-clock hour of the machine costs (cost.machine_hour_usd)."""
         self.rows = self.cfg.prompts_per_step * self.cfg.group_size
         self.queue: deque[dict] = deque()
         self._t_batch = self._t_last_take = time.time()
@@ -350,11 +352,7 @@ class RolloutBatches:
             m["time/generate_s"] = t_gen
             m["generate_tokens_per_s"] = tok_out / max(t_gen, 1e-9)
         self._t_last_take = now
-        c = self.costs
-        cost = (
-            tok_unc * c.input_uncached_per_mtok_usd + tok_cached * c.input_cached_per_mtok_usd
-            + tok_out * c.output_per_mtok_usd
-        ) / 1e6 + c.accelerator_hour_usd * self.devices * wall / 3600  # fmt: skip
+        cost = self.costs.tokens_usd(tok_unc, tok_cached, tok_out) + self.hour_usd * wall / 3600
         self.cost_usd += cost
         m["time/rl_step_s"] = wall
         m["cost/step_usd"] = cost
@@ -398,7 +396,8 @@ def run_grpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
     ahead = groups_ahead(cfg)
     collector = RolloutCollector(envs, tasks, engine, sampling, group_size=cfg.group_size, seed=seed, ahead=ahead,
                                  audit=audit)  # fmt: skip
-    batches = RolloutBatches(stage, collector, engine, costs=run.cost, devices=jax.device_count())
+    hour_usd = run.cost.machine_hour_usd(jax.default_backend(), jax.device_count(), cpu_cores())
+    batches = RolloutBatches(stage, collector, engine, costs=run.cost, hour_usd=hour_usd)
     algorithm = Algorithm(
         objective=make_policy_objective(
             placed.model_def, cfg, vocab_chunk=run.train.vocab_chunk, aux_loss_coef=run.model.router_aux_loss_coef
