@@ -2,11 +2,14 @@
 
     python tools/plot_run.py runs/sft_arithmetic            # every stage of a run
     python tools/plot_run.py runs/x/stages/sft/metrics.jsonl --keys train/loss eval/exact_match
+    python tools/plot_run.py runs/continuous                # a continuous run: leaderboard.png too
 
 Writes one PNG per metric next to each metrics.jsonl (or into --out), train and eval
 series of the same name on one figure; for RL stages also `rewards_by_env.png`, every
 environment's training reward (train/reward/<env>/mean) and held-out reward
-(eval/<env>/reward) on one figure.
+(eval/<env>/reward) on one figure. A continuous run's folder (leaderboard.jsonl) also gets
+leaderboard.png: each environment's held-out score by round, promotions marked, and the held-out
+gain per dollar (ptrain/continuous/ledger.py draws it; the loop redraws it after every round).
 """
 
 from __future__ import annotations
@@ -101,6 +104,10 @@ def main(argv=None) -> int:
     ap.add_argument("--keys", nargs="*", help="only these metrics (e.g. train/loss eval/exact_match)")
     ap.add_argument("--out", help="output folder (default: <stage>/plots)")
     args = ap.parse_args(argv)
+    if os.path.isfile(os.path.join(args.path, "leaderboard.jsonl")):
+        from ptrain.continuous.ledger import plot_leaderboard
+
+        print(plot_leaderboard(args.path, os.path.join(args.out, "leaderboard.png") if args.out else None))
     if os.path.isfile(args.path):
         files = [args.path]
     else:

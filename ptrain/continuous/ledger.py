@@ -176,23 +176,33 @@ def plot_leaderboard(run_dir: str, out: str | None = None) -> str | None:
     envs = sorted({e for r in rows for e in r["envs"]})
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1.3]})
     for env in envs:
-        pts = [(r["round"], r["envs"][env]["champion_after"]) for r in rows if env in r["envs"]]
+        seen = [r for r in rows if env in r["envs"]]
+        # Where an environment arrives, its line starts at the champion's score before the round.
+        first = seen[0]
+        pts = [(first["round"] - 0.5, first["envs"][env]["champion"])] if first["round"] > 0 else []
+        pts += [(r["round"], r["envs"][env]["champion_after"]) for r in seen]
         xs, ys = zip(*pts)
-        ax.plot(xs, ys, marker="o", label=env)
+        (line,) = ax.plot(xs, ys, marker="o", label=env)
+        if first["round"] > 0:
+            ax.plot(xs[:1], ys[:1], marker="o", mfc="white", color=line.get_color())
     for r in rows:
         if r["round"] > 0:
             color = "tab:green" if r["decision"] == "promoted" else "tab:red"
             ax.axvline(r["round"], color=color, alpha=0.25, lw=6)
     ax.set_ylabel("held-out score (champion)")
-    ax.set_title("continuous post-training: green = promoted, red = rejected")
+    ax.set_title("champion's held-out score by round (o: before an arrival); green promoted, red rejected", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     xs = [r["round"] for r in rows if r["round"] > 0]
-    ax2.bar(xs, [r["reward_gain_per_usd"] for r in rows if r["round"] > 0], color="tab:blue")
-    ax2.set_ylabel("gain per $")
+    ax2.bar(xs, [r["reward_gain_per_usd"] for r in rows if r["round"] > 0], color="tab:blue", width=0.5)
+    from matplotlib.ticker import MaxNLocator
+
+    ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax2.set_ylabel("held-out gain per $")
     ax2.set_xlabel("round")
     ax2.grid(alpha=0.3)
     path = out or os.path.join(run_dir, "leaderboard.png")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.tight_layout()
     fig.savefig(path + ".tmp.png", dpi=110)
     plt.close(fig)

@@ -71,7 +71,7 @@ def run_loop(run: RunConfig, *, on_round: Callable[[dict], None] | None = None) 
     previous = {s: signal.getsignal(s) for s in (signal.SIGTERM,)}
     signal.signal(signal.SIGTERM, _raise_stop)
     try:
-        return _Loop(run, on_round).run()
+        return ContinuousLoop(run, on_round).run()
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
@@ -81,7 +81,9 @@ def _raise_stop(signum, frame) -> None:
     raise _Stop(signal.Signals(signum).name)
 
 
-class _Loop:
+class ContinuousLoop:
+    """The loop over one run folder: its state, what starts a round, and the rounds."""
+
     def __init__(self, run: RunConfig, on_round: Callable[[dict], None] | None):
         self.run_cfg = run
         self.c: ContinuousConfig = run.continuous
