@@ -126,3 +126,13 @@ def test_live_drop_needs_a_full_window_below_the_band():
     assert gate.live_drop(rows, held, window=10, drop=0.4) is None  # 0.5 > 0.8 - 0.4
     junk = [{"env": "other", "correct": 0}] * 20 + ["not a row", {"env": "math"}]
     assert gate.live_drop(junk, held, window=10, drop=0.1) is None
+
+
+def test_machine_hour_prices_by_platform():
+    from ptrain.config.cost import ACCELERATOR_HOUR_USD, CPU_CORE_HOUR_USD, CostConfig
+
+    c = CostConfig()
+    assert c.machine_hour_usd("cpu", devices=1, cpu_cores=2) == pytest.approx(2 * CPU_CORE_HOUR_USD)
+    assert c.machine_hour_usd("gpu", devices=8, cpu_cores=64) == pytest.approx(8 * ACCELERATOR_HOUR_USD)
+    assert CostConfig(cpu_core_hour_usd=0.0).machine_hour_usd("cpu", 1, 16) == 0.0
+    assert CostConfig(output_per_mtok_usd=2.0).tokens_usd(0, 0, 500_000) == pytest.approx(1.0)

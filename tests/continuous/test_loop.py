@@ -78,6 +78,9 @@ def test_promotion_rejection_idle_relaunch_and_rollback(loop_run, tmp_path):
         assert set(row["cost_usd"]) == {"sample", "train", "eval", "judge", "total"} and row["cost_usd"]["train"] > 0
         assert row["tokens"]["output"] > 0 and row["cum_cost_usd"] > row["cost_usd"]["total"]
         assert {t["name"] for t in row["tripwires"]} >= {"format_errors", "abstentions", "length_ratio", "kl"}
+        # The defaults are list prices: the GRPO stage's own cost metric is a real number too.
+        grpo_metrics = ledger.read_jsonl(os.path.join(run_dir, "rounds", "1", "stages", "grpo", "metrics.jsonl"))
+        assert [r["train/cost/total_usd"] for r in grpo_metrics if "train/cost/total_usd" in r][-1] > 0
         round1 = os.path.join(run_dir, "rounds", "1", "stages", "grpo", "export")
         assert os.path.realpath(os.path.join(run_dir, "champion")) == os.path.realpath(round1)
         assert row["push"][0]["ok"] and served_version(server.url) == "round-1"
