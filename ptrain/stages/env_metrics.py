@@ -225,7 +225,13 @@ def evaluate_envs(
                 scores = by_task.setdefault(prefix.rstrip("/") or "greedy", {}).setdefault(name, {})
                 for task, ts in zip(tasks, results):
                     scores[task.id] = float(np.mean([is_correct(t) for t in ts])) if ts else 0.0
-            summary = summarize(results, ks, declares_tools=declares_tools(env))
+            # A sample its environment masked (NeMo Gym's mask_sample: the judge failed) measured
+            # nothing: the means leave it out and `masked_samples` counts it.
+            masked = sum(t.masked for ts in results for t in ts)
+            summary = summarize([[t for t in ts if not t.masked] for ts in results], ks,
+                                declares_tools=declares_tools(env))  # fmt: skip
+            if masked:
+                summary["masked_samples"] = float(masked)
             if prefix:
                 summary["accuracy"] = float(np.mean([is_correct(t) for t in flat])) if flat else 0.0
             for key, value in summary.items():
