@@ -187,11 +187,13 @@ def generate_problems(
     The held-out set is drawn first, so it does not change when n_train changes.
     """
     need = n_train + n_eval
-    if need > _space_size(ops, min_digits, max_digits) // 2:
+    space = _space_size(ops, min_digits, max_digits)
+    if need > space // 2:
+        # Drawing distinct problems by rejection stays quick up to half of the space.
         raise ValueError(
-            f"only about {_space_size(ops, min_digits, max_digits)} distinct problems exist for ops={list(ops)} "
-            f"digits {min_digits}..{max_digits}; n_train + n_eval = {need} is too many. Lower data.generated.n_train "
-            "or raise data.generated.max_digits"
+            f"at most {space // 2} distinct problems are drawn for ops={list(ops)} digits {min_digits}..{max_digits} "
+            f"(half of the about {space} there are); n_train + n_eval = {need} is too many. Lower "
+            "data.generated.n_train or raise data.generated.max_digits"
         )
     rng = random.Random(seed)
     seen: set[Problem] = set()

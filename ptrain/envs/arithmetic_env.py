@@ -46,7 +46,7 @@ class ArithmeticEnv(SingleTurnEnv):
             raise ValueError(
                 f"envs.{self.name}: cannot draw {self.cfg.n_train} + {self.cfg.n_eval} distinct problems with "
                 f"ops={o.ops} and digits {o.min_digits}..{o.max_digits}; lower envs.{self.name}.n_train or raise "
-                f"envs.{self.name}.options.max_digits ({e})"
+                f"envs.{self.name}.options.max_digits ({str(e).split('; ')[0]})"
             ) from None
 
         def make(split: str, problems) -> list[Task]:
