@@ -6,6 +6,7 @@ continuous.inbox=INBOX`)."""
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 IMPROVE_RULES = ("any", "all", "none")
@@ -89,6 +90,12 @@ class ContinuousConfig:
     serve_urls: list[str] = field(default_factory=list)
     """ptrain.serve (or SGLang) servers that get each promoted model (and a rollback) as a
     versioned, verified weight push."""
+    judge_calibration: str | None = None
+    """A JSONL of response pairs with known verdicts (algo.eval.judge_calibration's format)
+    that the run's judge environment re-scores every round; promotion is blocked when the
+    judge's agreement falls more than `judge_drop` below the champion's round."""
+    judge_drop: float = 0.05
+    """Largest fall in the judge's calibration agreement that still promotes (in [0, 1])."""
 
     def problems(self) -> list[tuple[str, str]]:
         """(key, message) for each impossible value; config/run.py raises the first."""
@@ -112,6 +119,9 @@ class ContinuousConfig:
         need(0 <= self.margin < math.inf, "margin", f"must be >= 0, got {self.margin}")
         need(0 < self.confidence < 1, "confidence", f"must be in (0, 1), e.g. 0.95, got {self.confidence}")
         need(self.bootstrap_samples >= 100, "bootstrap_samples", f"must be >= 100, got {self.bootstrap_samples}")
+        need(0 <= self.judge_drop <= 1, "judge_drop", f"must be in [0, 1], got {self.judge_drop}")
+        need(self.judge_calibration is None or os.path.isfile(self.judge_calibration), "judge_calibration",
+             f"'{self.judge_calibration}' is not a file; pass a JSONL of judged pairs, or null")  # fmt: skip
         need(self.improve in IMPROVE_RULES, "improve", f"pass one of {list(IMPROVE_RULES)}, got {self.improve!r}")
         for name in ("invalid_tool_calls", "hallucinated_tool_calls", "abstentions", "format_errors", "kl"):
             v = getattr(self.tripwires, name)

@@ -184,6 +184,11 @@ class EvalAlgoConfig:
     lm_eval: LmEvalConfig = field(default_factory=LmEvalConfig)
     """lm-evaluation-harness tasks an `eval` stage also runs (LmEvalConfig; RL stages' periodic
     evaluation does not run them)."""
+    judge_calibration: str | None = None
+    """A JSONL of response pairs with a known verdict, `{"messages": [...], "response_1": ..,
+    "response_2": .., "better": 1 or 2}`, that an `eval` stage has its judge environment
+    (kind judge, its own judge: the policy or an endpoint) compare; reported as
+    judge_calibration/agreement (the share it gets right), /rows and /unparsed."""
 
 
 def validate_eval(cfg: EvalAlgoConfig, check) -> None:
@@ -196,6 +201,8 @@ def validate_eval(cfg: EvalAlgoConfig, check) -> None:
     check(all(b >= 0 for b in cfg.thinking_budgets), "algo.eval.thinking_budgets",
           f"every budget must be >= 0 (tokens of reasoning), got {list(cfg.thinking_budgets)}")  # fmt: skip
     validate_lm_eval(cfg.lm_eval, check)
+    check(cfg.judge_calibration is None or os.path.isfile(cfg.judge_calibration), "algo.eval.judge_calibration",
+          f"'{cfg.judge_calibration}' is not a file; pass a JSONL of judged pairs, or null")  # fmt: skip
 
 
 def validate_lm_eval(cfg: LmEvalConfig, check) -> None:

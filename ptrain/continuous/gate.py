@@ -8,7 +8,8 @@ resample the tasks with replacement, take the mean difference, read its quantile
     improved(env)      ci_low > 0
     non_inferior(env)  ci_low >= -margin
     promote            (any | all | none) target environments improved, every environment is
-                       non-inferior, and no tripwire tripped
+                       non-inferior, no tripwire tripped, and the judge in the loop (if any)
+                       agrees with its calibration set as well as before
 """
 
 from __future__ import annotations
@@ -127,9 +128,12 @@ def decide(
     *,
     margin: float,
     improve: str = "any",
+    judge_drop: float | None = None,
+    judge_limit: float = 0.05,
 ) -> tuple[str, list[str]]:
     """("promoted" | "rejected", reasons). Reasons say why a round was rejected, or what a
-    promotion rests on."""
+    promotion rests on. judge_drop: how far the judge's calibration agreement fell this round
+    (None: no judge in the loop), refused past judge_limit."""
     by_env = {c.env: c for c in comparisons}
     missing = [t for t in targets if t not in by_env]
     if missing:
@@ -149,6 +153,8 @@ def decide(
         )
         reasons.append(f"no improvement on the targets ({improve} must have an interval above 0): {flat}")
     reasons.extend(t.reason() for t in readings if t.tripped)
+    if judge_drop is not None and judge_drop > judge_limit:
+        reasons.append(f"the judge's calibration agreement fell by {judge_drop:.3f} (more than {judge_limit:g})")
     if reasons:
         return "rejected", reasons
     why = [f"{t} improved {by_env[t].delta:+.3f} [{by_env[t].ci_low:.3f}, {by_env[t].ci_high:.3f}]" for t in improved]

@@ -288,17 +288,20 @@ class ContinuousLoop:
         envs = {n: inbox.env_config(self.state["envs"][n]["spec"]) for n in plan["envs"]}
         envs = _replay_weights(envs, set(plan["new"]), self.c.replay) if k > 0 else envs
         eval_seed = {"seed": int(run.train.seed)}  # every eval stage samples with the same seeds
+        # The judge's calibration runs in the eval stages of every environment-complete evaluation.
+        calib = {"eval": {"judge_calibration": self.c.judge_calibration}} if self.c.judge_calibration else {}
         missing = [n for n in plan["envs"] if n not in self._champion_scores()]
         if k == 0:
             stages = [StageConfig(name="eval_champion", kind="eval", init=plan["champion"], train=eval_seed,
-                                  envs=plan["envs"])]  # fmt: skip
+                                  algo=calib, envs=plan["envs"])]  # fmt: skip
         else:
             template = run.stages[-1]
             algo = _deep_merge(template.algo, {"grpo": {"kl_coef": self.c.kl_anchor}})
             train = _deep_merge(template.train, {"eval_every": 0, "seed": None})
             grpo = dataclasses.replace(template, name="grpo", init=plan["champion"], algo=algo, train=train,
                                        envs=plan["envs"])  # fmt: skip
-            stages = [grpo, StageConfig(name="eval_challenger", kind="eval", train=eval_seed, envs=plan["envs"])]
+            stages = [grpo, StageConfig(name="eval_challenger", kind="eval", train=eval_seed, algo=calib,
+                                        envs=plan["envs"])]  # fmt: skip
             if missing:
                 stages.append(StageConfig(name="eval_champion", kind="eval", init=plan["champion"], train=eval_seed,
                                           envs=missing))  # fmt: skip
@@ -341,6 +344,19 @@ class ContinuousLoop:
         for sdir in self.state["champion_evals"]:
             out.update(_env_metrics(sdir))
         return out
+
+    def _judge_agreements(self, stages: str) -> dict[str, float]:
+        """The judge's calibration agreement when the champion was scored and now, and the drop
+        ({} without a judge in the loop, or before both were measured)."""
+        key = "eval/judge_calibration/agreement"
+        before = next((_read(os.path.join(d, "DONE.json"))[key] for d in self.state["champion_evals"]
+                       if os.path.isfile(os.path.join(d, "DONE.json")) and key in _read(os.path.join(d, "DONE.json"))),
+                      None)  # fmt: skip
+        now_path = os.path.join(stages, "eval_challenger", "DONE.json")
+        now = _read(now_path).get(key) if os.path.isfile(now_path) else None
+        if before is None or now is None:
+            return {}
+        return {"champion": float(before), "challenger": float(now), "drop": float(before) - float(now)}
 
     def _decoding(self) -> str:
         return "sampled" if self.run_cfg.algo.eval.samples > 0 else "greedy"
@@ -394,7 +410,9 @@ class ContinuousLoop:
         new_metrics = _env_metrics(os.path.join(stages, "eval_challenger"))
         kl = _late_kl(os.path.join(stages, "grpo", "metrics.jsonl")) if c.kl_anchor > 0 else None
         readings = gate.tripwires(old_metrics, new_metrics, c.tripwires, kl=kl)
-        decision, reasons = gate.decide(comparisons, plan["targets"], readings, margin=c.margin, improve=c.improve)
+        judge = self._judge_agreements(stages)
+        decision, reasons = gate.decide(comparisons, plan["targets"], readings, margin=c.margin, improve=c.improve,
+                                        judge_drop=judge.get("drop"), judge_limit=c.judge_drop)  # fmt: skip
         promoted = decision == "promoted"
         gain = sum(x.delta for x in comparisons) / len(comparisons)
         total = ledger_row["cost_usd"]["total"]
@@ -405,6 +423,7 @@ class ContinuousLoop:
             **base,
             "envs": envs,
             "tripwires": [dataclasses.asdict(t) for t in readings],
+            "judge": judge,
             "decision": decision,
             "reasons": reasons,
             "champion": os.path.join(stages, "grpo", "export") if promoted else plan["champion"],

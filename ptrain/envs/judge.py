@@ -634,6 +634,25 @@ class JudgeEnv(SingleTurnEnv):
                 return list(await asyncio.gather(*(one(k, i, j, client) for k, (i, j) in enumerate(pairs))))
         return list(await asyncio.gather(*(one(k, i, j, None) for k, (i, j) in enumerate(pairs))))
 
+    async def calibrate(self, rows: Sequence[Mapping[str, Any]], engine: Any, seed: int = 0) -> dict[str, float]:
+        """How often this environment's judge prefers the response a calibration row marks
+        better: each row `{"messages": [...], "response_1": str, "response_2": str, "better":
+        1 or 2}` is one comparison as training makes them (ranking 1-3: response 1 is better).
+        A tie, a reply without a verdict or a failed call counts as a miss. Returns agreement,
+        rows and unparsed (replies without a verdict)."""
+        right = unparsed = 0
+        for k, row in enumerate(rows):
+            task = Task(self.name, f"calibration-{k}", tuple(row["messages"]))
+            answers = [str(row["response_1"]), str(row["response_2"])]
+            (c,) = await self._compare_all(task, engine, [(0, 1)], answers, f"{self.name}/calibration-{k}", seed + k)
+            if c.verdict is None:
+                unparsed += 1
+                continue
+            if c.verdict.ranking != RANKING_MIDPOINT:  # a tie picks neither
+                right += (1 if c.verdict.ranking < RANKING_MIDPOINT else 2) == int(row["better"])
+        n = max(len(rows), 1)
+        return {"agreement": right / n, "rows": float(len(rows)), "unparsed": float(unparsed)}
+
     def _failed_call(self, task: Task, i: int, j: int, why: str) -> Comparison:
         self.stats["judge_errors"] += 1
         message = f"the judge's comparison of samples {i} and {j} failed: {why}"

@@ -87,6 +87,8 @@ def run_eval_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
         metrics = evaluate_envs(
             envs, engine, cfg, seed=component_seed(run, "train.seed"), audit=audit, strict=True, by_task=by_task
         )
+        if cfg.judge_calibration:
+            metrics.update(judge_agreement(envs, engine, cfg.judge_calibration, seed=component_seed(run, "train.seed")))
         if cfg.lm_eval.tasks:
             from ptrain.serve.lm_harness import run_lm_eval  # lm-eval is optional: loaded only when asked
 
@@ -109,3 +111,38 @@ def run_eval_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
     summary.update(stage=stage.name, model=init_path or "embedded", wall_time_s=round(time.time() - t_start, 1))
     mark_done(stage_dir, summary)
     return summary
+
+
+def judge_agreement(envs: dict, engine, path: str, *, seed: int) -> dict[str, float]:
+    """judge_calibration/agreement and its counts: the stage's judge environment on a calibration JSONL
+    (algo.eval.judge_calibration). ConfigError when the stage has no judge environment or a
+    row lacks a field."""
+    import asyncio
+    import json
+
+    from ptrain.envs.judge import JudgeEnv
+
+    judges = [e for e in envs.values() if isinstance(e, JudgeEnv)]
+    if not judges:
+        raise ConfigError(
+            f"config key 'algo.eval.judge_calibration': the stage has no judge environment to calibrate; add one "
+            f"(env=judge) to its envs, or leave judge_calibration null (envs: {sorted(envs)})"
+        )
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise ConfigError(f"config key 'algo.eval.judge_calibration': {path}:{n} is not JSON ({e})") from None
+            missing = [k for k in ("messages", "response_1", "response_2", "better") if k not in row]
+            if missing or row.get("better") not in (1, 2):
+                raise ConfigError(
+                    f"config key 'algo.eval.judge_calibration': {path}:{n} needs messages, response_1, response_2 and "
+                    f"better (1 or 2); missing {missing}, better={row.get('better')!r}"
+                )
+            rows.append(row)
+    out = asyncio.run(judges[0].calibrate(rows, engine, seed=seed))
+    return {f"judge_calibration/{k}": v for k, v in out.items()}

@@ -136,3 +136,10 @@ def test_machine_hour_prices_by_platform():
     assert c.machine_hour_usd("gpu", devices=8, cpu_cores=64) == pytest.approx(8 * ACCELERATOR_HOUR_USD)
     assert CostConfig(cpu_core_hour_usd=0.0).machine_hour_usd("cpu", 1, 16) == 0.0
     assert CostConfig(output_per_mtok_usd=2.0).tokens_usd(0, 0, 500_000) == pytest.approx(1.0)
+
+
+def test_a_judge_that_drifts_blocks_promotion():
+    comps = [comparison("e", 0.2, 0.1, 0.3)]
+    assert gate.decide(comps, ["e"], [], margin=0.05, judge_drop=0.04, judge_limit=0.05)[0] == "promoted"
+    decision, reasons = gate.decide(comps, ["e"], [], margin=0.05, judge_drop=0.1, judge_limit=0.05)
+    assert decision == "rejected" and reasons == ["the judge's calibration agreement fell by 0.100 (more than 0.05)"]

@@ -56,3 +56,16 @@ def test_a_live_drop_starts_a_round_once(tmp_path):
     # The lines that started it are spent: the next look needs new ones.
     loop.state["current"] = None
     assert loop._next_plan() is None and loop.state["trigger_lines"] == 8
+
+
+def test_judge_agreement_before_and_now_is_read_from_the_eval_stages(tmp_path):
+    loop = loop_at(tmp_path)
+    key = "eval/judge_calibration/agreement"
+    champion_eval = tmp_path / "eval"
+    (champion_eval / "DONE.json").write_text(json.dumps({key: 0.9}))
+    stages = tmp_path / "R" / "rounds" / "1" / "stages"
+    (stages / "eval_challenger").mkdir(parents=True)
+    assert loop._judge_agreements(str(stages)) == {}  # not measured yet
+    (stages / "eval_challenger" / "DONE.json").write_text(json.dumps({key: 0.7}))
+    got = loop._judge_agreements(str(stages))
+    assert got["champion"] == 0.9 and got["challenger"] == 0.7 and abs(got["drop"] - 0.2) < 1e-12

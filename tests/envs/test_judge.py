@@ -536,3 +536,36 @@ def test_the_kind_is_registered_and_its_hydra_file_composes(tmp_path):
     opts = validate_env_config(cfg)
     assert cfg.kind == "judge" and cfg.n_train == 7
     assert opts == JudgeOptions()  # the file states every default
+
+
+# ----------------------------------------------------------------------------- calibration
+
+
+def test_calibration_agreement_counts_right_wrong_ties_and_unparsed(tok, tmp_path):
+    """Four judged pairs: the judge (the policy engine, scripted by rid) gets the first right,
+    the second wrong, calls the third a tie, and answers the fourth in prose."""
+    env = judge_env(tok)
+    rows = [
+        {"messages": [{"role": "user", "content": f"q{k}"}], "response_1": "a", "response_2": "b", "better": better}
+        for k, better in enumerate((1, 1, 2, 2))
+    ]
+    replies = [verdict(5, 2, 1), verdict(2, 5, 6), verdict(3, 3, 3.5), "no idea"]
+    engine = ReplayEngine({f"{env.name}/calibration-{k}/judge-0-1": [r] for k, r in enumerate(replies)}, tokenizer=tok,
+                          eos_token_ids=[tok.eos_token_id])  # fmt: skip
+    out = asyncio.run(env.calibrate(rows, engine))
+    assert out == {"agreement": 0.25, "rows": 4.0, "unparsed": 1.0}
+
+    # The eval stage's reader: bad rows are refused naming the line, a stage without a judge too.
+    from ptrain.config import ConfigError
+    from ptrain.stages.eval import judge_agreement
+
+    path = tmp_path / "calibration.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows[:1]))
+    engine = ReplayEngine({f"{env.name}/calibration-0/judge-0-1": [replies[0]]}, tokenizer=tok,
+                          eos_token_ids=[tok.eos_token_id])  # fmt: skip
+    assert judge_agreement({"judge": env}, engine, str(path), seed=0)["judge_calibration/agreement"] == 1.0
+    path.write_text(json.dumps({"messages": [], "response_1": "a", "response_2": "b", "better": 3}) + "\n")
+    with pytest.raises(ConfigError, match=r"calibration.jsonl:1 needs .*better=3"):
+        judge_agreement({"judge": env}, engine, str(path), seed=0)
+    with pytest.raises(ConfigError, match="no judge environment"):
+        judge_agreement({}, engine, str(path), seed=0)
