@@ -103,6 +103,12 @@ def _structured_output() -> type:
     return StructuredOutputEnv
 
 
+def _verifiers() -> type:
+    from ptrain.envs.verifiers_env import VerifiersEnv
+
+    return VerifiersEnv
+
+
 ENV_CLASSES: dict[str, Callable[[], type]] = {
     "arithmetic": _arithmetic,
     "countdown": _countdown,
@@ -117,6 +123,7 @@ ENV_CLASSES: dict[str, Callable[[], type]] = {
     "mcqa": _mcqa,
     "instruction_following": _instruction_following,
     "structured_output": _structured_output,
+    "verifiers": _verifiers,
 }
 """Environment kind -> a function that imports and returns its Environment class. The
 kinds are those with an options dataclass in ptrain.config.env (a test keeps them equal)."""

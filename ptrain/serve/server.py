@@ -9,7 +9,8 @@ batch, n, log-prob triples, SSE streaming), `/health`, `/health_generate`, `/mod
 `/continue_generation`, `/abort_request`, `/load_lora_adapter`, `/unload_lora_adapter`; and the
 OpenAI-compatible `/v1/models`,
 `/v1/completions`, `/v1/chat/completions` (`ptrain.serve.openai_api`); and the tokenizer's
-`/tokenize`, `/detokenize`, `/tokenizer_info` (`ptrain.serve.tokenizer_api`). The request and
+`/tokenize`, `/detokenize`, `/tokenizer_info` (`ptrain.serve.tokenizer_api`); and vLLM's
+token-in/token-out `/inference/v1/generate` (`ptrain.serve.vllm_api`). The request and
 response translation lives in `ptrain.rollout.sglang_wire`.
 
 Threads. The engine samples on its own thread; `submit` returns a concurrent Future and calls
@@ -1123,6 +1124,7 @@ def make_app(
     short request has run (the server's start-up)."""
     from ptrain.serve.openai_api import openai_routes
     from ptrain.serve.tokenizer_api import tokenizer_routes
+    from ptrain.serve.vllm_api import vllm_routes
 
     front = Frontend(engine, tokenizer, served_model_name=served_model_name, **front_kw)
     routes = [
@@ -1143,6 +1145,7 @@ def make_app(
         Route("/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
         *openai_routes(),
         *tokenizer_routes(),
+        *vllm_routes(),
     ]
 
     @contextlib.asynccontextmanager
