@@ -246,4 +246,3 @@ def _one_line(e: BaseException) -> str:
     text = str(e).split("Config search path")[0]  # Hydra appends its whole search path
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return " ".join(lines).replace(": ", ": ", 1)
-
