@@ -115,7 +115,7 @@ class ContinuousLoop:
                     time.sleep(self.c.poll_s)
                     continue
                 self._round(plan)
-                done += 1
+                done += plan["round"] > 0  # round 0 trains nothing: max_rounds counts training rounds
                 if self.c.max_rounds is not None and done >= self.c.max_rounds:
                     stopped = "max_rounds"
                     break

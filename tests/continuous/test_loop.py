@@ -68,8 +68,9 @@ def test_promotion_rejection_idle_relaunch_and_rollback(loop_run, tmp_path):
         (inbox / "broken.yaml").write_text("kind: nonsense\n")
         result = ptrain.continuous(
             "continuous", [*SMOKE, "continuous.improve=none", f"continuous.serve_urls=[{server.url}]"],
-            inbox=str(inbox), run_dir=run_dir, until_idle=True,
+            inbox=str(inbox), run_dir=run_dir, max_rounds=1,
         )  # fmt: skip
+        assert result.stopped == "max_rounds"  # one training round, then out without waiting
         (row,) = result.rounds
         assert row["round"] == 1 and row["decision"] == "promoted" and row["new_envs"] == ["subtraction"]
         assert set(row["envs"]) == {"arithmetic", "subtraction"} and row["targets"] == ["subtraction"]
