@@ -76,3 +76,34 @@ def tool_template_file(tmp_path_factory) -> str:
     with open(path, "w") as f:
         f.write(TOOL_TEMPLATE)
     return path
+
+
+# The in-process server of the route tests (test_server, test_serve_scoring, test_vllm_generate):
+# one engine per module, so each module's compiles are shared by its tests. Modules with an
+# engine or tokenizer of their own define fixtures of these names, which take precedence.
+
+
+@pytest.fixture(scope="module")
+def engine(served_model_dir):
+    from ptrain.rollout.local import LocalEngine
+
+    eng = LocalEngine.from_hf(served_model_dir, max_running_requests=MAX_RUNNING, context_length=CONTEXT)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(served_model_dir):
+    from ptrain.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(served_model_dir)
+
+
+@pytest.fixture(scope="module")
+def client(engine, tokenizer, served_model_dir):
+    from starlette.testclient import TestClient
+
+    from ptrain.serve.server import make_app
+
+    with TestClient(make_app(engine, tokenizer, served_model_name="tiny", model_path=served_model_dir)) as c:
+        yield c

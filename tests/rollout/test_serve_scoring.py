@@ -16,32 +16,13 @@ from starlette.testclient import TestClient
 
 from ptrain.models import load_hf
 from ptrain.rollout import sglang_wire as wire
-from ptrain.rollout.local import LocalEngine
 from ptrain.rollout.protocol import FinishReason, GenerateRequest, Sample, SamplingParams
-from ptrain.serve.server import load_tokenizer, make_app
+from ptrain.serve.server import make_app
 from tests.rollout import sglang_schema as schema
-from tests.rollout.conftest import CONTEXT, MAX_RUNNING
+from tests.rollout.conftest import CONTEXT
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 GREEDY = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def engine(served_model_dir):
-    eng = LocalEngine.from_hf(served_model_dir, max_running_requests=MAX_RUNNING, context_length=CONTEXT)
-    yield eng
-    eng.close()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(served_model_dir):
-    return load_tokenizer(served_model_dir)
-
-
-@pytest.fixture(scope="module")
-def client(engine, tokenizer, served_model_dir):
-    with TestClient(make_app(engine, tokenizer, served_model_name="tiny", model_path=served_model_dir)) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

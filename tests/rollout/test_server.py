@@ -16,33 +16,13 @@ import pytest
 from starlette.testclient import TestClient
 
 from ptrain.models.safetensors_io import SafetensorsFile, save_file
-from ptrain.rollout.local import LocalEngine
 from ptrain.rollout.protocol import FinishReason, GenerateRequest, Sample, SamplingParams
 from ptrain.serve.openai_api import parse_tool_calls
-from ptrain.serve.server import LORA_NOT_ENABLED, Detokenizer, cut_at_stop, held_back, load_tokenizer, make_app
+from ptrain.serve.server import LORA_NOT_ENABLED, Detokenizer, cut_at_stop, held_back, make_app
 from tests.rollout import sglang_schema as schema
 from tests.rollout.conftest import CONTEXT, MAX_RUNNING
 
 GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def engine(served_model_dir):
-    eng = LocalEngine.from_hf(served_model_dir, max_running_requests=MAX_RUNNING, context_length=CONTEXT)
-    yield eng
-    eng.close()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(served_model_dir):
-    return load_tokenizer(served_model_dir)
-
-
-@pytest.fixture(scope="module")
-def client(engine, tokenizer, served_model_dir):
-    app = make_app(engine, tokenizer, served_model_name="tiny", model_path=served_model_dir)
-    with TestClient(app) as c:
-        yield c
 
 
 def generate(client, body, status=200):

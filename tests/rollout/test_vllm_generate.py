@@ -14,12 +14,9 @@ import math
 
 import httpx
 import pytest
-from starlette.testclient import TestClient
 
-from ptrain.rollout.local import LocalEngine
 from ptrain.rollout.protocol import GenerateRequest, SamplingParams
-from ptrain.serve.server import load_tokenizer, make_app
-from tests.rollout.conftest import CONTEXT, MAX_RUNNING
+from tests.rollout.conftest import CONTEXT
 
 ROUTE = "/inference/v1/generate"
 PROMPT = [5, 6, 7, 8]
@@ -59,20 +56,6 @@ def client_logprobs(choice: dict) -> list[float]:
             assert math.isfinite(entry["logprob"]) and entry["logprob"] != -9999.0
         return [entry["logprob"] for entry in content]
     return _parse_completion_logprobs(choice, choice["token_ids"])
-
-
-@pytest.fixture(scope="module")
-def engine(served_model_dir):
-    eng = LocalEngine.from_hf(served_model_dir, max_running_requests=MAX_RUNNING, context_length=CONTEXT)
-    yield eng
-    eng.close()
-
-
-@pytest.fixture(scope="module")
-def client(engine, served_model_dir):
-    app = make_app(engine, load_tokenizer(served_model_dir), served_model_name="tiny", model_path=served_model_dir)
-    with TestClient(app) as c:
-        yield c
 
 
 def engine_samples(engine, prompt, **sp):
