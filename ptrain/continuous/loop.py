@@ -285,6 +285,12 @@ class ContinuousLoop:
 
         run = self.run_cfg
         k = plan["round"]
+        saved = os.path.join(rdir, "config.yaml")
+        if os.path.isfile(saved):  # a round under way resumes as it was planned, whatever this launch's overrides
+            try:
+                return to_run_config(OmegaConf.load(saved))
+            except ConfigError as e:
+                raise ConfigError(f"round {k}: its saved config {saved} no longer validates: {e}") from None
         envs = {n: inbox.env_config(self.state["envs"][n]["spec"]) for n in plan["envs"]}
         envs = _replay_weights(envs, set(plan["new"]), self.c.replay) if k > 0 else envs
         eval_seed = {"seed": int(run.train.seed)}  # every eval stage samples with the same seeds
