@@ -287,7 +287,10 @@ def run_mode(args, mode: str) -> dict:
                                   top_k=cfg.top_k)  # fmt: skip
         collector = RolloutCollector({env.name: env}, tasks, engine, sampling, group_size=cfg.group_size, seed=seed,
                                      ahead=groups_ahead(cfg))  # fmt: skip
-        batches = RolloutBatches(stage, collector, engine, costs=run.cost, devices=jax.device_count())
+        from ptrain.config.cost import cpu_cores
+
+        hour_usd = run.cost.machine_hour_usd(jax.default_backend(), jax.device_count(), cpu_cores())
+        batches = RolloutBatches(stage, collector, engine, costs=run.cost, hour_usd=hour_usd)
         algorithm = Algorithm(
             objective=make_policy_objective(placed.model_def, cfg, vocab_chunk=run.train.vocab_chunk),
             denominator=policy_denominator(cfg.aggregation),
