@@ -175,7 +175,7 @@ class ResourcesSession:
             headers={"content-type": "application/json"},
         )
         self.reached = False
-        """Whether the server has answered anything in this session."""
+        """Whether the server has answered anything on this ResourcesSession (its cookie jar)."""
 
     async def __aenter__(self) -> ResourcesSession:
         return self
