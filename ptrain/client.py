@@ -24,6 +24,12 @@ optax's AdamW with its hyperparameters in the optimizer state, so each `optim_st
 pass new ones without a recompile; weight decay applies where `ptrain.train.optim.decay_mask`
 says (matrices; norms, biases and embeddings as `optim` says). The MoE router-bias update of
 the stages is not applied here.
+
+With `lora=LoRAConfig(rank=...)` the client trains LoRA adapters over frozen base weights:
+gradients, optimizer state and `save_state` hold the adapters alone, `sample` serves them as
+an adapter of the engine, and `save_weights` writes the merged model. Several clients can
+share one copy of the base: `base = ptrain.client.load_base(path)`, then
+`TrainingClient(base, lora=...)` for each (what `python -m ptrain.tinker` does per model).
 """
 
 from __future__ import annotations
@@ -40,12 +46,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ptrain.config.lora import LoRAConfig
 from ptrain.config.mesh import MeshConfig
 from ptrain.config.model import ModelConfig
 from ptrain.config.optim import OptimConfig
 from ptrain.losses.named import NAMED_LOSSES, OPTIONAL_INPUTS, REQUIRED_INPUTS, loss_config, named_loss
 
 INT_INPUTS = ("target_tokens",)
+CLIENT_ADAPTER = "client"
+"""The adapter name a LoRA client's weights take in its sampling engine."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +102,85 @@ class OptimStepOutput:
     metrics: dict[str, float]
 
 
+@dataclass(frozen=True)
+class BaseWeights:
+    """A model loaded and placed on its mesh once, whose weights LoRA clients share."""
+
+    model_def: Any
+    params: Any
+    model_state: Any
+    param_shardings: Any
+    model_state_shardings: Any
+    param_axes: Any
+    cfg: ModelConfig
+    mesh: Any
+    tokenizer: Any = None
+    path: str | None = None
+    """The Hugging Face folder it came from (None for a fresh model)."""
+
+
+def load_base(
+    model: str | os.PathLike | ModelConfig,
+    *,
+    mesh: MeshConfig | None = None,
+    dtype: str = "float32",
+    seed: int = 0,
+    tokenizer: Any = None,
+) -> BaseWeights:
+    """Load a local Hugging Face folder (or build a fresh model from a ModelConfig, whose
+    vocab_size must be set) onto a mesh (default: data parallel over every device)."""
+    from ptrain.parallel import DEFAULT_RULES, make_mesh, shardings_for
+    from ptrain.train.state import logical_axes, split_model
+
+    jmesh = make_mesh(mesh or MeshConfig())
+    path = None
+    rules = tuple(DEFAULT_RULES)
+    if isinstance(model, ModelConfig):
+        from flax import nnx
+
+        from ptrain.models import Decoder
+
+        if model.vocab_size <= 0:
+            raise ValueError(
+                "TrainingClient(ModelConfig): set vocab_size (> 0); the embedded default takes it from a tokenizer"
+            )
+        module = Decoder(dataclasses.replace(model, dtype=dtype), rngs=nnx.Rngs(seed))
+    elif isinstance(model, str | os.PathLike):
+        from ptrain.models import load_hf
+
+        path = os.fspath(model)
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise FileNotFoundError(
+                f"TrainingClient: '{path}' holds no config.json; pass a local Hugging Face model folder "
+                "(nothing is downloaded) or a ModelConfig"
+            )
+        module = load_hf(path, dtype=dtype, mesh=jmesh, rules=rules)
+        if tokenizer is None and os.path.isfile(os.path.join(path, "tokenizer.json")):
+            from ptrain.data.tokenizer import load_tokenizer
+
+            tokenizer = load_tokenizer(path)
+    else:
+        raise TypeError(
+            f"TrainingClient(model=...): a Hugging Face folder, a ModelConfig or a BaseWeights, got {type(model).__name__}"
+        )
+    model_def, params, model_state = split_model(module)
+    param_axes, state_axes = logical_axes(module)
+    param_sh = shardings_for(params, param_axes, jmesh, list(rules))
+    mstate_sh = shardings_for(model_state, state_axes, jmesh, list(rules))
+    return BaseWeights(
+        model_def=model_def,
+        params=jax.device_put(params, param_sh),
+        model_state=jax.device_put(model_state, mstate_sh),
+        param_shardings=param_sh,
+        model_state_shardings=mstate_sh,
+        param_axes=param_axes,
+        cfg=module.cfg,
+        mesh=jmesh,
+        tokenizer=tokenizer,
+        path=path,
+    )
+
+
 class TrainingClient:
     """A model, its optimizer state and accumulated gradients, and primitives over them.
 
@@ -105,8 +193,9 @@ class TrainingClient:
 
     def __init__(
         self,
-        model: str | os.PathLike | ModelConfig,
+        model: str | os.PathLike | ModelConfig | BaseWeights,
         *,
+        lora: LoRAConfig | None = None,
         optim: OptimConfig | None = None,
         mesh: MeshConfig | None = None,
         dtype: str = "float32",
@@ -116,55 +205,41 @@ class TrainingClient:
         max_running_requests: int = 16,
         context_length: int | None = None,
     ):
-        from ptrain.parallel import DEFAULT_RULES, make_mesh, replicated, shardings_for
+        from ptrain.parallel import DEFAULT_RULES, replicated, shardings_for
         from ptrain.parallel.sharding import shardings_following_params
         from ptrain.train.optim import decay_mask
-        from ptrain.train.state import logical_axes, split_model
 
-        self.mesh = make_mesh(mesh or MeshConfig())
-        self.model_path = None
-        rules = tuple(DEFAULT_RULES)
-        if isinstance(model, ModelConfig):
-            from flax import nnx
-
-            from ptrain.models import Decoder
-
-            if model.vocab_size <= 0:
-                raise ValueError(
-                    "TrainingClient(ModelConfig): set vocab_size (> 0); the embedded default takes it from a tokenizer"
-                )
-            module = Decoder(dataclasses.replace(model, dtype=dtype), rngs=nnx.Rngs(seed))
-        elif isinstance(model, str | os.PathLike):
-            from ptrain.models import load_hf
-
-            path = os.fspath(model)
-            if not os.path.isfile(os.path.join(path, "config.json")):
-                raise FileNotFoundError(
-                    f"TrainingClient: '{path}' holds no config.json; pass a local Hugging Face model folder "
-                    "(nothing is downloaded) or a ModelConfig"
-                )
-            module = load_hf(path, dtype=dtype, mesh=self.mesh, rules=rules)
-            self.model_path = path
-            if tokenizer is None and os.path.isfile(os.path.join(path, "tokenizer.json")):
-                from ptrain.data.tokenizer import load_tokenizer
-
-                tokenizer = load_tokenizer(path)
-        else:
-            raise TypeError(
-                f"TrainingClient(model=...): a Hugging Face folder or a ModelConfig, got {type(model).__name__}"
-            )
-        self.cfg = module.cfg
-        self.tokenizer = tokenizer
+        shared = isinstance(model, BaseWeights)
+        if shared and mesh is not None:
+            raise ValueError("TrainingClient(BaseWeights, mesh=...): the base is placed already; pass no mesh")
+        base = model if shared else load_base(model, mesh=mesh, dtype=dtype, seed=seed, tokenizer=tokenizer)
+        self.base = base
+        self.mesh = base.mesh
+        self.model_path = base.path
+        self.model_def = base.model_def
+        self.cfg = base.cfg
+        self.tokenizer = tokenizer if tokenizer is not None else base.tokenizer
         self.vocab_chunk = int(vocab_chunk)
         self._max_running_requests, self._context_length, self._seed = max_running_requests, context_length, seed
         self.optim = optim or OptimConfig()
+        self.lora = None
+        self._mstate_sh = base.model_state_shardings
+        self.model_state = base.model_state
+        if lora is not None and lora.enabled:
+            from ptrain.models.lora import LoRASpec, adapter_axes, init_adapters
 
-        self.model_def, params, model_state = split_model(module)
-        param_axes, state_axes = logical_axes(module)
-        self._param_sh = shardings_for(params, param_axes, self.mesh, list(rules))
-        self._mstate_sh = shardings_for(model_state, state_axes, self.mesh, list(rules))
-        self.params = jax.device_put(params, self._param_sh)
-        self.model_state = jax.device_put(model_state, self._mstate_sh)
+            self.lora = LoRASpec.of(lora)
+            try:
+                adapters = init_adapters(base.params, self.lora, jax.random.key(seed))
+            except ValueError as e:
+                raise ValueError(f"TrainingClient(lora=...): {e}; pass targets this model has") from None
+            axes = adapter_axes(base.param_axes, adapters, self.lora)
+            self._param_sh = shardings_for(adapters, axes, self.mesh, list(DEFAULT_RULES))
+            self.params = jax.device_put(adapters, self._param_sh)
+        else:
+            self._param_sh = base.param_shardings
+            # a shared base must outlive this client's steps, which donate their params
+            self.params = jax.tree.map(jnp.copy, base.params) if shared else base.params
         opt = self.optim
         self.tx = optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
             learning_rate=0.0, b1=0.9, b2=0.95, eps=1e-12, weight_decay=0.0, mask=lambda p: decay_mask(p, opt)
@@ -287,7 +362,7 @@ class TrainingClient:
         path = os.path.abspath(os.fspath(path))
         tmp = path + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        save_hf(self.model_def.bind(self.params, self.model_state), tmp, tokenizer=self.tokenizer)
+        save_hf(self.model_def.bind(self.merged_params(), self.model_state), tmp, tokenizer=self.tokenizer)
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
         return path
@@ -306,6 +381,19 @@ class TrainingClient:
 
     # ---------------------------------------------------------------------------- internals
 
+    def _frozen(self) -> dict:
+        """What the jitted functions read but do not train: the LoRA base (None without LoRA)
+        and the model state."""
+        return {"base": self.base.params if self.lora is not None else None, "model_state": self.model_state}
+
+    def merged_params(self):
+        """Plain weights of the current model: under LoRA the adapters merged into the base."""
+        if self.lora is None:
+            return self.params
+        from ptrain.models.lora import merge
+
+        return jax.jit(merge, static_argnums=2)(self.base.params, self.params, self.lora)
+
     def _state(self) -> dict:
         return {
             "params": self.params,
@@ -323,20 +411,40 @@ class TrainingClient:
                 from ptrain.data.tokenizer import stop_token_ids
 
                 eos = tuple(stop_token_ids(self.tokenizer))
+            lora = self._served_lora()
+            weights = self.base.params if lora else self.merged_params()
             self._engine = LocalEngine(
-                self.model_def.bind(self.params, self.model_state),
+                self.model_def.bind(weights, self.model_state),
                 max_running_requests=self._max_running_requests,
                 context_length=self._context_length,
                 mesh=self.mesh,
                 eos_token_ids=eos,
                 weight_version=str(self.step),
                 seed=self._seed,
+                **({} if lora is None else dict(max_loras=1, max_lora_rank=lora.rank, lora_targets=lora.targets)),
             )
+            if lora is not None:
+                self._engine.update_lora(CLIENT_ADAPTER, self.params, lora, weight_version=str(self.step))
+                self._engine.set_default_lora(CLIENT_ADAPTER)
             self._engine_step = self.step
         elif self._engine_step != self.step:
-            self._engine.update_weights(self.params, self.model_state or None, weight_version=str(self.step))
+            if self._served_lora() is not None:
+                self._engine.update_lora(CLIENT_ADAPTER, self.params, self.lora, weight_version=str(self.step))
+            else:
+                weights = self.merged_params()
+                self._engine.update_weights(weights, self.model_state or None, weight_version=str(self.step))
             self._engine_step = self.step
         return self._engine
+
+    def _served_lora(self):
+        """The LoRASpec the engine serves as an adapter over the base, or None: without LoRA,
+        or with targets an engine cannot apply per request (the output head, routed experts),
+        where it samples from the merged weights instead."""
+        from ptrain.models.lora import SERVABLE
+
+        if self.lora is None or not set(self.lora.targets) <= set(SERVABLE):
+            return None
+        return self.lora
 
     def _check_ids(self, ids: Sequence[int], what: str) -> None:
         if len(ids) == 0:
@@ -427,7 +535,7 @@ class TrainingClient:
         key = ("fb" if backward else "f", loss_fn, tuple(sorted(config.items())), names, batch["input_ids"].shape)
         fn = self._compiled.get(key)
         if fn is None:
-            objective = _make_named_objective(self.model_def, loss_fn, config, names, self.vocab_chunk)
+            objective = _make_named_objective(self.model_def, self.lora, loss_fn, config, names, self.vocab_chunk)
             fn = self._compiled[key] = jax.jit(
                 _make_backward(objective) if backward else _make_forward(objective),
                 donate_argnums=(3,) if backward else (),
@@ -435,10 +543,10 @@ class TrainingClient:
         dev = jax.device_put(batch, self._batch_sharding())
         if backward:
             grads = self._grads if self._grads is not None else self._zero_grads()
-            loss, logp, metrics, self._grads = fn(self.params, self.model_state, dev, grads)
+            loss, logp, metrics, self._grads = fn(self.params, self._frozen(), dev, grads)
             self._pending += 1
         else:
-            loss, logp, metrics = fn(self.params, self.model_state, dev)
+            loss, logp, metrics = fn(self.params, self._frozen(), dev)
         return _output(loss, logp, metrics, lengths)
 
     def _run_custom(self, data, loss_fn: Callable, *, backward: bool) -> ForwardOutput:
@@ -448,10 +556,10 @@ class TrainingClient:
         if not _all_have(data, "target_tokens"):
             raise ValueError("a callable loss_fn needs loss_fn_inputs['target_tokens'] in every datum")
         batch, lengths = self._batch(data, ("target_tokens",))
-        model_def, chunk = self.model_def, self.vocab_chunk
+        model_def, spec, chunk = self.model_def, self.lora, self.vocab_chunk
 
-        def logp_of(params, model_state, b):
-            stats, _ = target_stats(model_def, params, model_state, b, chunk)
+        def logp_of(params, frozen, b):
+            stats, _ = target_stats(model_def, _weights(params, frozen, spec), frozen["model_state"], b, chunk)
             return stats.logp
 
         key = ("logp", batch["input_ids"].shape)
@@ -459,7 +567,7 @@ class TrainingClient:
         if forward is None:
             forward = self._compiled[key] = jax.jit(logp_of)
         dev = jax.device_put(batch, self._batch_sharding())
-        logp = forward(self.params, self.model_state, dev)
+        logp = forward(self.params, self._frozen(), dev)
 
         def user_loss(logp_BxL):
             out = loss_fn(list(data), [logp_BxL[i, :n] for i, n in enumerate(lengths)])
@@ -472,13 +580,13 @@ class TrainingClient:
             vjp_fn = self._compiled.get(vkey)
             if vjp_fn is None:
 
-                def add_vjp(params, model_state, b, ct, acc):
-                    _, pullback = jax.vjp(lambda p: logp_of(p, model_state, b), params)
+                def add_vjp(params, frozen, b, ct, acc):
+                    _, pullback = jax.vjp(lambda p: logp_of(p, frozen, b), params)
                     return jax.tree.map(jnp.add, acc, pullback(ct)[0])
 
                 vjp_fn = self._compiled[vkey] = jax.jit(add_vjp, donate_argnums=(4,))
             grads = self._grads if self._grads is not None else self._zero_grads()
-            self._grads = vjp_fn(self.params, self.model_state, dev, cotangent, grads)
+            self._grads = vjp_fn(self.params, self._frozen(), dev, cotangent, grads)
             self._pending += 1
         metrics = dict(metrics or {}, **{"loss:sum": loss})
         return _output(loss, logp, metrics, lengths)
@@ -500,12 +608,21 @@ class TrainingClient:
 # ------------------------------------------------------------------------ pure functions
 
 
-def _make_named_objective(model_def, loss: str, config: dict, names: tuple[str, ...], vocab_chunk: int):
-    """params, model_state, batch -> (loss, (logp [B, L], metrics))."""
+def _weights(params, frozen: dict, spec):
+    """The module's param tree: `params`, or under LoRA the frozen base with them attached."""
+    if spec is None:
+        return params
+    from ptrain.models.lora import attach
+
+    return attach(frozen["base"], params, spec)
+
+
+def _make_named_objective(model_def, spec, loss: str, config: dict, names: tuple[str, ...], vocab_chunk: int):
+    """params, frozen ({"base", "model_state"}), batch -> (loss, (logp [B, L], metrics))."""
     from ptrain.train.objectives import target_stats
 
-    def objective(params, model_state, batch):
-        stats, _ = target_stats(model_def, params, model_state, batch, vocab_chunk)
+    def objective(params, frozen, batch):
+        stats, _ = target_stats(model_def, _weights(params, frozen, spec), frozen["model_state"], batch, vocab_chunk)
         inputs = {k: batch[k] for k in names if k != "target_tokens"}
         value, metrics = named_loss(loss, stats.logp, inputs, batch["valid"], config)
         return value, (stats.logp, metrics)
@@ -514,16 +631,16 @@ def _make_named_objective(model_def, loss: str, config: dict, names: tuple[str, 
 
 
 def _make_forward(objective):
-    def forward(params, model_state, batch):
-        loss, (logp, metrics) = objective(params, model_state, batch)
+    def forward(params, frozen, batch):
+        loss, (logp, metrics) = objective(params, frozen, batch)
         return loss, logp, metrics
 
     return forward
 
 
 def _make_backward(objective):
-    def backward(params, model_state, batch, acc):
-        (loss, (logp, metrics)), grads = jax.value_and_grad(objective, has_aux=True)(params, model_state, batch)
+    def backward(params, frozen, batch, acc):
+        (loss, (logp, metrics)), grads = jax.value_and_grad(objective, has_aux=True)(params, frozen, batch)
         return loss, logp, metrics, jax.tree.map(jnp.add, acc, grads)
 
     return backward

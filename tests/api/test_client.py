@@ -304,3 +304,54 @@ def test_a_hand_written_importance_sampling_loop_reaches_the_grpo_stages_losses(
         got.append(client.forward_backward(data, "importance_sampling").loss)
         client.optim_step(adam_of(cfg))
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_lora_clients_share_one_base_and_train_only_their_adapters(tmp_path):
+    """Two LoRA clients over one loaded base: each starts as the base exactly, trains its own
+    adapters (the base arrays stay untouched), samples with them, and its merged export and
+    saved state give back the same model."""
+    import jax
+
+    from ptrain.client import load_base
+    from ptrain.config.lora import LoRAConfig
+
+    base = load_base(CFG, seed=3)
+    plain = ptrain.TrainingClient(CFG, seed=3)
+    seqs = sequences(7)
+    base_before = [np.asarray(x).copy() for x in jax.tree.leaves(base.params)]
+    a = ptrain.TrainingClient(base, lora=LoRAConfig(rank=4, alpha=8.0, targets=["all-linear", "lm_head"]), seed=1)
+    b = ptrain.TrainingClient(base, lora=LoRAConfig(rank=2, targets=["attention"]), seed=2)
+    np.testing.assert_allclose(a.forward(ce_data(seqs)).loss, plain.forward(ce_data(seqs)).loss, rtol=1e-6)
+    assert sum(x.size for x in jax.tree.leaves(a.params)) < sum(x.size for x in base_before) // 4
+
+    losses = []
+    for _ in range(4):
+        losses.append(a.forward_backward(ce_data(seqs), "cross_entropy").loss)
+        a.optim_step({"learning_rate": 2e-2})
+    assert losses[-1] < losses[0]
+    for before, after in zip(base_before, jax.tree.leaves(base.params)):
+        np.testing.assert_array_equal(before, np.asarray(after))
+    np.testing.assert_allclose(b.forward(ce_data(seqs)).loss, plain.forward(ce_data(seqs)).loss, rtol=1e-6)
+
+    b.forward_backward(ce_data(seqs), "cross_entropy")
+    b.optim_step({"learning_rate": 5e-2})
+    prompt = seqs[0][:4]
+    for client in (a, b):  # a: the output head is adapted, so it samples merged weights; b: an engine adapter
+        (samples,) = client.sample([prompt], n=2, sampling_params={"max_new_tokens": 5, "sampling_seed": 1})
+        for s in samples:
+            full = prompt + list(s.output_ids)
+            data = [ptrain.Datum(full[:-1], {"target_tokens": full[1:], "weights": np.ones(len(full) - 1)})]
+            np.testing.assert_allclose(client.forward(data).logprobs[0][len(prompt) - 1 :], s.logprobs, atol=2e-5)
+    b.close()
+
+    a.save_weights(tmp_path / "merged")
+    merged = ptrain.TrainingClient(str(tmp_path / "merged"))
+    np.testing.assert_allclose(merged.forward(ce_data(seqs)).loss, a.forward(ce_data(seqs)).loss, rtol=1e-5)
+    a.save_state(tmp_path / "state")
+    c = ptrain.TrainingClient(base, lora=LoRAConfig(rank=4, alpha=8.0, targets=["all-linear", "lm_head"]), seed=9)
+    c.load_state(tmp_path / "state")
+    assert c.step == 4
+    np.testing.assert_allclose(c.forward(ce_data(seqs)).loss, a.forward(ce_data(seqs)).loss, rtol=1e-6)
+    with pytest.raises(ValueError, match="does not hold this model's state"):
+        b.load_state(tmp_path / "state")
+    a.close()
