@@ -354,6 +354,12 @@ class TrainingClient:
         self.step = int(state["step"])
         self._grads, self._pending = None, 0
 
+    def reset_optimizer(self) -> None:
+        """Fresh optimizer moments (the weights and the step count stay), as after loading
+        weights without their optimizer state."""
+        self.opt_state = jax.jit(self.tx.init, out_shardings=self._opt_sh)(self.params)
+        self._grads, self._pending = None, 0
+
     def save_weights(self, path: str | os.PathLike) -> str:
         """Write the current weights as a Hugging Face folder (with the tokenizer, when the
         client has one) that transformers, SGLang, `ptrain.serve` and the stages load."""
