@@ -84,12 +84,13 @@ def test_stop_strings_cut_the_sample_after_the_stop(service):
 @pytest.mark.parametrize(
     "call, message",
     [
-        (lambda s, m: s.create_model("x", "other-model", {"rank": 4}), "is not served here"),
-        (lambda s, m: s.create_model("x", "tiny", {"rank": 0}), r"rank must be an integer in \[1, 64\]"),
-        (lambda s, m: s.create_model("x", "tiny", {"rank": 4, "alpha": 2}), r"\['alpha'\] are unknown"),
+        (lambda s, m: s.create_model("session-nope", "tiny", {"rank": 4}), "unknown session_id"),
+        (lambda s, m: s.create_model(s.create_session(), "other-model", {"rank": 4}), "is not served here"),
+        (lambda s, m: s.create_model(s.create_session(), "tiny", {"rank": 0}), r"rank must be an integer in \[1, 64\]"),
+        (lambda s, m: s.create_model(s.create_session(), "tiny", {"rank": 4, "alpha": 2}), r"\['alpha'\] are unknown"),
         (
             lambda s, m: s.create_model(
-                "x", "tiny", {"rank": 4, "train_attn": False, "train_mlp": False, "train_unembed": False}
+                s.create_session(), "tiny", {"rank": 4, "train_attn": False, "train_mlp": False, "train_unembed": False}
             ),
             "trains nothing",
         ),  # fmt: skip
