@@ -8,7 +8,8 @@
     data     no envs, rollout or stages
     rollout  no envs, stages or serve (the collector that joins engines and environments is
              the RL stage's; the HTTP server is a user of the engines)
-    stages   no serve, api, cli or client (their users), but for the edges in EXCEPTIONS
+    stages   no serve, api, cli, client or tinker (their users), but for the edges in EXCEPTIONS
+    serve    no tinker (the Tinker server is a user of the client and of the serve helpers)
     envs     no stages
 - composing and validating a config loads neither JAX nor a stage or environment module;
   nor does importing the sandbox (environment worker processes and its CLI import it).
@@ -24,7 +25,8 @@ FORBIDDEN = {
     "ptrain.config": {"*"},
     "ptrain.data": {"ptrain.envs", "ptrain.rollout", "ptrain.stages"},
     "ptrain.rollout": {"ptrain.envs", "ptrain.stages", "ptrain.serve"},
-    "ptrain.stages": {"ptrain.serve", "ptrain.api", "ptrain.cli", "ptrain.client"},
+    "ptrain.stages": {"ptrain.serve", "ptrain.api", "ptrain.cli", "ptrain.client", "ptrain.tinker"},
+    "ptrain.serve": {"ptrain.tinker"},
     "ptrain.envs": {"ptrain.stages"},
     "ptrain.losses": {"ptrain.stages", "ptrain.train", "ptrain.models"},
     "ptrain.models": {"ptrain.stages", "ptrain.train", "ptrain.rollout", "ptrain.envs"},
