@@ -60,6 +60,7 @@ def main(argv=None) -> None:
     config = train.Config(
         log_path=args.log_path,
         model_name=args.model_name,
+        recipe_name="ptrain_cookbook_sl",
         renderer_name=args.renderer,
         dataset_builder=FromConversationFileBuilder(common_config=common, file_path=path),
         learning_rate=args.learning_rate,

@@ -30,7 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-path", required=True, help="Hugging Face folder: config.json + *.safetensors + tokenizer")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-    p.add_argument("--base-model", default=None, help="the model name clients ask for (default: the folder's name)")
+    p.add_argument(
+        "--base-model",
+        default=None,
+        help="the model name clients ask for (default: the folder's absolute path, which the cookbook's "
+        "get_tokenizer loads without the hub)",
+    )
     p.add_argument("--root-dir", default="./tinker_runs", help="where checkpoints go (default ./tinker_runs)")
     key = p.add_mutually_exclusive_group()
     key.add_argument("--api-key", default=None, help="the key clients send (default: $TINKER_API_KEY, else generated)")
@@ -111,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         log.warning(
             "--no-auth: any client that reaches %s:%d may train and sample on this server", args.host, args.port
         )
-    base_model = args.base_model or os.path.basename(os.path.normpath(args.model_path))
+    base_model = args.base_model or os.path.abspath(args.model_path)
     log.info("loading %s as %r", args.model_path, base_model)
     service = TinkerService(
         args.model_path,
