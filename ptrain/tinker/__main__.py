@@ -16,7 +16,6 @@ import argparse
 import logging
 import os
 import secrets
-import socket
 import sys
 
 log = logging.getLogger("ptrain.tinker")
@@ -66,17 +65,9 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--api-key: must start with 'tml-' (the tinker SDK sends no other kind of key)")
     if os.path.exists(args.root_dir) and not os.path.isdir(args.root_dir):
         p.error(f"--root-dir {args.root_dir}: exists and is not a folder")
-    try:
-        infos = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except OSError as e:
-        p.error(f"--host {args.host}: not an address of this machine ({e})")
-    family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a TIME_WAIT port is free
-        try:
-            s.bind(address)
-        except OSError as e:
-            p.error(f"--port {args.port}: cannot listen on {args.host}:{args.port} ({e.strerror}); pass another --port")
+    from ptrain.serve.cli import check_address
+
+    check_address(p, args.host, args.port)
 
 
 def resolve_api_key(args: argparse.Namespace) -> tuple[str | None, bool]:
