@@ -124,12 +124,16 @@ class Pending:
 
 
 class Futures:
-    """The futures table: request ids -> work on the training or the sampling thread."""
+    """The futures table: request ids -> work on the training thread or the sampling threads.
 
-    def __init__(self, sample_in_own_thread: bool = True):
+    Training work runs on one thread in arrival order. Sampling requests each wait on their
+    own thread of `sample_threads`, so requests that arrive together are in the engine at
+    once and share its batch (the cookbook sends one request per sample)."""
+
+    def __init__(self, sample_in_own_thread: bool = True, sample_threads: int = 64):
         self.train = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-train")
         self.sample = (
-            concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-sample")
+            concurrent.futures.ThreadPoolExecutor(max_workers=sample_threads, thread_name_prefix="tinker-sample")
             if sample_in_own_thread
             else self.train
         )
