@@ -102,3 +102,34 @@ def test_the_cookbooks_rl_recipe_raises_the_reward(server, tinker_model_dir, tmp
     reward = [r["env/all/reward/total"] for r in rows]
     assert len(reward) == 20
     assert np.mean(reward[-5:]) > np.mean(reward[:5]) + 0.015, reward
+
+
+def test_a_custom_loss_trains_as_the_same_named_loss_does(server, tinker_model_dir):
+    """The SDK's forward_backward_custom (a forward, the loss's gradient in torch on the
+    client, then a linear surrogate sent back) moves the weights as the named loss does."""
+    import tinker
+    import torch
+
+    service = tinker.ServiceClient(base_url=server, api_key=KEY)
+    tokens = [5, 17, 42, 8, 99, 23, 61, 4, 77]
+    weights = [0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.5]
+    datum = tinker.Datum(
+        model_input=tinker.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights},
+    )
+
+    def nll(data, logprobs_list):
+        loss = sum(-(torch.tensor(weights) * lp).sum() for lp in logprobs_list)
+        return loss, {"nll": float(loss)}
+
+    named = service.create_lora_training_client(base_model=tinker_model_dir, rank=4, seed=7)
+    custom = service.create_lora_training_client(base_model=tinker_model_dir, rank=4, seed=7)
+    a = named.forward_backward([datum], "cross_entropy").result()
+    b = custom.forward_backward_custom([datum], nll).result()
+    np.testing.assert_allclose(b.metrics["nll"], a.metrics["loss:sum"], rtol=1e-5)
+    np.testing.assert_allclose(b.metrics["loss:sum"], a.metrics["loss:sum"], rtol=1e-5)
+    for client in (named, custom):
+        client.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
+    after = [c.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].data for c in (named, custom)]
+    np.testing.assert_allclose(after[0], after[1], atol=1e-5)
+    assert not np.allclose(after[0], a.loss_fn_outputs[0]["logprobs"].data, atol=1e-3)
