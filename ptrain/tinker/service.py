@@ -312,6 +312,7 @@ class TinkerService:
         engine, lora_name, release = self._acquire(snapshot)
         try:
             request = GenerateRequest(
+                rid=f"tinker-{uuid.uuid4().hex[:16]}",
                 input_ids=tuple(int(t) for t in prompt),
                 sampling=sp,
                 lora_path=lora_name,
@@ -319,7 +320,7 @@ class TinkerService:
                 top_logprobs_num=k,
             )
             try:
-                samples = engine.generate_many([request])[0]
+                samples = self._generate(engine, request, stops)
             except RequestError as e:
                 raise TinkerError(str(e)) from None
         finally:
@@ -519,6 +520,33 @@ class TinkerService:
                 self._engines.notify_all()
 
         return entry["engine"], None, release
+
+    def _generate(self, engine, request, stops: tuple[str, ...]) -> list:
+        """The request's samples. With stop strings, a sample whose new text completes one is
+        aborted as soon as the waiting thread sees it (the cut after the stop comes later)."""
+        if not stops:
+            return engine.generate_many([request])[0]
+        longest = max(len(x) for x in stops)
+        latest: dict[int, Any] = {}
+        ended: set[int] = set()
+
+        def on_update(samples) -> None:  # the engine's thread: only note what is new
+            for x in samples:
+                latest[x.index] = x
+
+        future = engine.submit(request, on_update=on_update)
+        while True:
+            try:
+                return future.result(timeout=0.02)
+            except TimeoutError:
+                pass
+            for index, x in list(latest.items()):
+                if index in ended or x.finish_reason is not None:
+                    continue
+                tail = self.detok.text(x.output_ids[-(longest + 8) :], skip_special_tokens=False)
+                if any(stop in tail for stop in stops):
+                    ended.add(index)
+                    engine.abort(request.rid if request.sampling.n == 1 else f"{request.rid}-{index}")
 
     def _eos(self) -> tuple[int, ...]:
         from ptrain.data.tokenizer import stop_token_ids

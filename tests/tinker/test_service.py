@@ -79,6 +79,11 @@ def test_stop_strings_cut_the_sample_after_the_stop(service):
     (seq,) = out["sequences"]
     assert seq["stop_reason"] == "stop"
     assert service.detok.text(seq["tokens"]).endswith(" ab ab")
+    before = service._shared.stats["output_tokens"]
+    two = service.sample(prompt=prompt, num_samples=2, model_path=path,
+                         sampling_params={"max_tokens": 200, "temperature": 0.0, "stop": " ab ab"})  # fmt: skip
+    assert [s["tokens"] for s in two["sequences"]] == [seq["tokens"]] * 2
+    assert service._shared.stats["output_tokens"] - before < 200  # stopped early, not run to max_tokens
 
 
 @pytest.mark.parametrize(
