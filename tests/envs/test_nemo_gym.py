@@ -14,6 +14,7 @@ tests skip, naming the command that builds it; in CI (CI=true) they fail instead
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import math
@@ -86,15 +87,15 @@ class Server:
         return str(self.folder / "data" / "example_rollouts.jsonl")
 
 
-def serve(name: str, log_dir: Path, *overrides: str):
-    """Start `python tools/nemo_gym_servers.py NAME [--set KEY=VALUE ...]` and wait for the URL it prints."""
-    log_path = log_dir / f"{name}.log"
-    cmd = [sys.executable, str(TOOL), name] + [arg for o in overrides for arg in ("--set", o)]
+@contextlib.contextmanager
+def started(cmd: list[str], label: str, log_path: Path, timeout_s: float = START_TIMEOUT_S):
+    """Run a `tools/nemo_gym_servers.py` command line (stderr to `log_path`), give the URL it
+    prints on stdout once up, and stop it afterwards."""
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + START_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     url = ""
     while not url and time.monotonic() < deadline and proc.poll() is None:
         if sel.select(timeout=0.5):
@@ -102,9 +103,9 @@ def serve(name: str, log_dir: Path, *overrides: str):
     if not url.startswith("http://127.0.0.1:"):
         proc.kill()
         proc.wait()
-        pytest.fail(f"{name} did not start within {START_TIMEOUT_S} s:\n{log_path.read_text()[-2000:]}")
+        pytest.fail(f"{label} did not start within {timeout_s} s:\n{log_path.read_text()[-2000:]}")
     try:
-        yield Server(name, url, server_dir(name))
+        yield url
     finally:
         proc.terminate()
         try:
@@ -112,6 +113,13 @@ def serve(name: str, log_dir: Path, *overrides: str):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def serve(name: str, log_dir: Path, *overrides: str):
+    """Start `python tools/nemo_gym_servers.py NAME [--set KEY=VALUE ...]` and wait for the URL it prints."""
+    cmd = [sys.executable, str(TOOL), name] + [arg for o in overrides for arg in ("--set", o)]
+    with started(cmd, name, log_dir / f"{name}.log") as url:
+        yield Server(name, url, server_dir(name))
 
 
 @pytest.fixture(scope="module")

@@ -27,10 +27,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import selectors
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +52,7 @@ from ptrain.envs.nemo_gym import (
 )
 from ptrain.rollout.protocol import SamplingParams
 from ptrain.rollout.replay import ReplayEngine
+from tests.envs.test_nemo_gym import started
 from tools.nemo_gym_servers import NEMO_GYM_VERSION, STAMP, SetupError, ensure_venv, server_dir, setup_command
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,31 +96,10 @@ class Server:
 
 def serve(name: str, version: str, log_dir: Path, *overrides: str):
     """Start `tools/nemo_gym_servers.py [--nemo-gym-version V] NAME` and wait for its URL."""
-    log_path = log_dir / f"{name}-{version}.log"
     flag = [] if version == OLD else ["--nemo-gym-version", version]
     cmd = [sys.executable, str(TOOL), *flag, name] + [arg for o in overrides for arg in ("--set", o)]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    url = ""
-    while not url and time.monotonic() < deadline and proc.poll() is None:
-        if sel.select(timeout=0.5):
-            url = proc.stdout.readline().strip()
-    if not url.startswith("http://127.0.0.1:"):
-        proc.kill()
-        proc.wait()
-        pytest.fail(f"{name} ({version}) did not start within {START_TIMEOUT_S} s:\n{log_path.read_text()[-2000:]}")
-    try:
+    with started(cmd, f"{name} ({version})", log_dir / f"{name}-{version}.log", START_TIMEOUT_S) as url:
         yield Server(name, version, url, server_dir(name, version=version))
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="module", params=[OLD, NEW])
