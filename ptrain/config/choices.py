@@ -26,7 +26,10 @@ COMPUTE_DTYPES = ("float32", "bfloat16")
 overflows large activations unless the loss is scaled, and ptrain has no loss scaling;
 bfloat16 has float32's range and is what accelerators train in."""
 PARAM_DTYPES = ("float32", "bfloat16")
-REMAT_MODES = ("none", "full", "dots")
+REMAT_MODES = ("none", "full", "dots", "attention")
+CONTEXT_ATTENTION = ("ring", "all_to_all")
+"""model.context_attention: how attention runs when the mesh splits the sequence over its
+`context` axis (ptrain.models.context_parallel)."""
 ROUTERS = ("softmax", "sigmoid")
 
 # --- algorithms (algo.*), used by ptrain.losses and ptrain.train.objectives
@@ -59,7 +62,7 @@ BAD_ROW_POLICIES = ("skip", "fail")
 TASK_OPS = ("+", "-", "*")
 
 # --- mesh (mesh.*), built by ptrain.parallel.mesh
-MESH_AXES = ("data", "fsdp", "tensor", "expert")
+MESH_AXES = ("data", "fsdp", "context", "tensor", "expert")
 
 
 def one_of(choices: tuple[str, ...]) -> str:

@@ -12,6 +12,9 @@ class MeshConfig:
     """Data-parallel axis size; -1 takes the devices left over by the other axes."""
     fsdp: int = 1
     """Fully-sharded data-parallel axis: params and optimizer state sharded, batch split."""
+    context: int = 1
+    """Context-parallel axis: every sequence split along its length (activations and
+    attention; model.context_attention says how attention crosses the split)."""
     tensor: int = 1
     """Tensor-parallel axis: heads and MLP hidden split."""
     expert: int = 1

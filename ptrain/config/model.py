@@ -100,7 +100,13 @@ class ModelConfig:
     param_dtype: str = "float32"
     """Master weight dtype."""
     remat: str = "none"
-    """Activation rematerialisation per block: none | full | dots (save matmul outputs)."""
+    """Activation rematerialisation per block: none | full | dots (save matmul outputs) |
+    attention (save only the attention outputs: the backward pass recomputes the cheap
+    per-token layers, not the attention)."""
+    context_attention: str = "ring"
+    """Attention when mesh.context > 1 splits the sequence: ring (keys and values passed
+    round the devices) | all_to_all (Ulysses: sequence split exchanged for a heads split;
+    the kv heads must divide over the axis). See ptrain.models.context_parallel."""
     scan_layers: bool = False
     """Scan over stacked layers (faster compile for deep models)."""
     init_std: float = 0.02

@@ -571,6 +571,11 @@ def _validate_values(run: RunConfig, where: str = "") -> None:
     c(m.dtype in C.COMPUTE_DTYPES, "model.dtype", f"pass {one_of(C.COMPUTE_DTYPES)}, got '{m.dtype}'")
     c(m.param_dtype in C.PARAM_DTYPES, "model.param_dtype", f"pass {one_of(C.PARAM_DTYPES)}, got '{m.param_dtype}'")
     c(m.remat in C.REMAT_MODES, "model.remat", f"pass {one_of(C.REMAT_MODES)}, got '{m.remat}'")
+    c(
+        m.context_attention in C.CONTEXT_ATTENTION,
+        "model.context_attention",
+        f"pass {one_of(C.CONTEXT_ATTENTION)}, got '{m.context_attention}'",
+    )
     for name, problem in m.lora.lora_problems(tie_embeddings=m.tie_embeddings, is_moe=m.n_experts > 0):
         c(False, f"model.lora.{name}", problem)
     c(m.router in C.ROUTERS, "model.router", f"pass {one_of(C.ROUTERS)}, got '{m.router}'")
@@ -580,7 +585,7 @@ def _validate_values(run: RunConfig, where: str = "") -> None:
             "model.hf_path",
             f"no config.json in '{m.hf_path}'; pass a local Hugging Face model folder (nothing is downloaded)",
         )
-    for axis in ("fsdp", "tensor", "expert"):
+    for axis in ("fsdp", "context", "tensor", "expert"):
         c(getattr(mesh, axis) >= 1, f"mesh.{axis}", f"must be >= 1, got {getattr(mesh, axis)}")
     c(mesh.data == -1 or mesh.data >= 1, "mesh.data", f"must be -1 (fill) or >= 1, got {mesh.data}")
     c(run.checkpoint.keep >= 1, "checkpoint.keep", f"must be >= 1, got {run.checkpoint.keep}")
@@ -696,22 +701,23 @@ def _is_http_url(url: Any) -> bool:
     return parts.scheme in ("http", "https") and bool(parts.hostname) and parts.path in ("", "/") and not parts.query
 
 
-def resolve_mesh_shape(mesh: MeshConfig, n_devices: int) -> tuple[int, int, int, int]:
-    """(data, fsdp, tensor, expert) sizes over n_devices, in the order of choices.MESH_AXES;
-    mesh.data=-1 takes the devices the other axes leave. ConfigError unless they use all."""
-    fixed = mesh.fsdp * mesh.tensor * mesh.expert
+def resolve_mesh_shape(mesh: MeshConfig, n_devices: int) -> tuple[int, ...]:
+    """(data, fsdp, context, tensor, expert) sizes over n_devices, in the order of
+    choices.MESH_AXES; mesh.data=-1 takes the devices the other axes leave. ConfigError
+    unless they use all."""
+    fixed = mesh.fsdp * mesh.context * mesh.tensor * mesh.expert
     data = mesh.data if mesh.data != -1 else n_devices // fixed
     _check(
         data >= 1 and data * fixed == n_devices,
         "mesh",
-        f"data={mesh.data} fsdp={mesh.fsdp} tensor={mesh.tensor} expert={mesh.expert} does not use exactly "
-        f"the {n_devices} available devices; make the product equal {n_devices} (data=-1 fills)",
+        f"data={mesh.data} fsdp={mesh.fsdp} context={mesh.context} tensor={mesh.tensor} expert={mesh.expert} does "
+        f"not use exactly the {n_devices} available devices; make the product equal {n_devices} (data=-1 fills)",
     )
-    return data, mesh.fsdp, mesh.tensor, mesh.expert
+    return data, mesh.fsdp, mesh.context, mesh.tensor, mesh.expert
 
 
-def check_mesh_fits(run: RunConfig, n_devices: int) -> tuple[int, int, int, int]:
-    """Resolve the mesh shape for n_devices and check the batch divides over it."""
+def check_mesh_fits(run: RunConfig, n_devices: int) -> tuple[int, ...]:
+    """Resolve the mesh shape for n_devices and check the batch and the rows divide over it."""
     mesh = run.mesh
     data, *_ = resolve_mesh_shape(mesh, n_devices)
     dp = data * mesh.fsdp
@@ -722,4 +728,10 @@ def check_mesh_fits(run: RunConfig, n_devices: int) -> tuple[int, int, int, int]
         f"{run.train.global_batch_size} / grad_accum {run.train.grad_accum} = {micro} rows per micro-batch is not "
         f"divisible by the data-parallel size data*fsdp = {dp}; pass a multiple of {dp * run.train.grad_accum}",
     )
-    return data, mesh.fsdp, mesh.tensor, mesh.expert
+    _check(
+        run.train.seq_len % mesh.context == 0,
+        "train.seq_len",
+        f"{run.train.seq_len} tokens per row do not split over mesh.context={mesh.context} devices; pass a "
+        f"multiple of {mesh.context}",
+    )
+    return data, mesh.fsdp, mesh.context, mesh.tensor, mesh.expert

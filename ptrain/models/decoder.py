@@ -21,6 +21,11 @@ mesh=)` does) hands the mesh to every MoE block when the rules put the logical `
 axis on a mesh axis of size > 1; the block then dispatches tokens to the devices holding
 their experts with all-to-all (`ptrain.kernels.moe.expert_parallel`). Without a mesh the
 model names logical axes only, and any sharding of the experts is left to XLA.
+
+Context parallelism: with a mesh whose axis for the logical `length` axis is larger than 1
+(`mesh.context`), a forward pass without a cache splits every sequence over it, and the
+attention layers cross the split as `model.context_attention` says
+(`ptrain.models.context_parallel`). A batch whose length does not divide runs unsplit.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from ptrain.models.layers import MLP, Attention, RMSNorm, as_dtype, attention_ma
 REMAT_POLICIES = {
     "full": None,
     "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    "attention": jax.checkpoint_policies.save_only_these_names("attention_out"),
 }
 
 
@@ -159,11 +165,11 @@ def layer_groups(cfg: ModelConfig) -> tuple[LayerGroup, ...]:
 class Block(nnx.Module):
     """Pre-norm decoder block: x += attn(norm(x)); x += mlp(norm(x)) with a dense or MoE MLP."""
 
-    def __init__(self, cfg: ModelConfig, moe: bool, *, rngs: nnx.Rngs, ep=None):
+    def __init__(self, cfg: ModelConfig, moe: bool, *, rngs: nnx.Rngs, ep=None, cp=None):
         pd = as_dtype(cfg.param_dtype)
         norm_kw = dict(eps=cfg.rms_norm_eps, axis_name="embed", param_dtype=pd, rngs=rngs)
         self.attn_norm = RMSNorm(cfg.d_model, **norm_kw)
-        self.attn = Attention(cfg, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs, cp=cp)
         self.mlp_norm = RMSNorm(cfg.d_model, **norm_kw)
         self.is_moe = moe
         if moe:
@@ -185,14 +191,14 @@ class Block(nnx.Module):
         return x + h, new_cache, lb_loss, load
 
 
-def _make_group(cfg: ModelConfig, moe: bool, n: int, rngs: nnx.Rngs, ep=None):
+def _make_group(cfg: ModelConfig, moe: bool, n: int, rngs: nnx.Rngs, ep=None, cp=None):
     if not cfg.scan_layers:
-        return nnx.List([Block(cfg, moe, rngs=rngs, ep=ep) for _ in range(n)])
+        return nnx.List([Block(cfg, moe, rngs=rngs, ep=ep, cp=cp) for _ in range(n)])
 
     @nnx.split_rngs(splits=n)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
     def make(r):
-        return Block(cfg, moe, rngs=r, ep=ep)
+        return Block(cfg, moe, rngs=r, ep=ep, cp=cp)
 
     return make(rngs)
 
@@ -253,12 +259,14 @@ class Decoder(nnx.Module):
         self._frozen = _FrozenConfig(cfg)
         pd = as_dtype(cfg.param_dtype)
         self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), std=cfg.init_std, dtype=pd)
+        from ptrain.models.context_parallel import context_parallel_plan
         from ptrain.models.moe import expert_parallel_plan
 
         ep = expert_parallel_plan(cfg, mesh, rules)
+        self._cp = context_parallel_plan(cfg, mesh, rules)
         self._groups = layer_groups(cfg)
         for g in self._groups:
-            setattr(self, g.name, _make_group(cfg, g.moe, g.n, rngs, ep=ep if g.moe else None))
+            setattr(self, g.name, _make_group(cfg, g.moe, g.n, rngs, ep=ep if g.moe else None, cp=self._cp))
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.rms_norm_eps, axis_name="embed", param_dtype=pd, rngs=rngs)
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), std=cfg.init_std, dtype=pd)
@@ -288,11 +296,15 @@ class Decoder(nnx.Module):
         w = w.astype(dt)
         return jnp.einsum("bld,dv->blv", h_BxLxD.astype(dt), w, preferred_element_type=jnp.float32)
 
-    def _trunk(self, input_ids_BxL, positions_BxL, mask_BxTxS, caches=None, cache_index=None):
+    def _trunk(self, input_ids_BxL, positions_BxL, mask_BxTxS, caches=None, cache_index=None, cp=None):
         cfg = self._frozen.cfg
         dt = as_dtype(cfg.dtype)
         cos, sin = rope_tables(positions_BxL, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+        if cp is not None:
+            input_ids_BxL = cp.constrain(input_ids_BxL)
         x = jnp.take(self.embed[...], input_ids_BxL, axis=0).astype(dt)
+        if cp is not None:
+            x = cp.constrain(x)
         lb_total = jnp.zeros((), jnp.float32)
         loads = [jnp.zeros((0, cfg.n_experts if cfg.is_moe else 0), jnp.float32)]
         new_caches = {}
@@ -304,7 +316,8 @@ class Decoder(nnx.Module):
             if g.moe:
                 lb_total, loads = lb_total + lb, loads + [load]
         aux = ModelAux(lb_loss=lb_total, expert_load=jnp.concatenate(loads))  # MoE layers in layer order
-        return self.final_norm(x), aux, new_caches
+        h = self.final_norm(x)
+        return (h if cp is None else cp.constrain(h)), aux, new_caches
 
     def __call__(
         self,
@@ -335,8 +348,10 @@ class Decoder(nnx.Module):
             raise ValueError(
                 f"positions {positions.shape} and segment_ids {segment_ids.shape} must match input_ids {(B, L)}"
             )
-        mask = attention_mask(segment_ids, cfg.sliding_window)
-        h, aux, _ = self._trunk(input_ids_BxL, positions, mask)
+        cp = self._cp if self._cp is not None and self._cp.applies(B, L) else None
+        # Split over a context axis, attention builds its mask per block from the segment ids.
+        mask = attention_mask(segment_ids, cfg.sliding_window) if cp is None else segment_ids
+        h, aux, _ = self._trunk(input_ids_BxL, positions, mask, cp=cp)
         out = h if return_hidden else self.logits_from_hidden(h)
         return (out, aux) if return_aux else out
 

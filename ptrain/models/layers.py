@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from ptrain.kernels import cpu as cpu_kernels
 from ptrain.models import lora
@@ -28,7 +29,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 
 # Scores of masked keys. Finite (not -inf) so that a query row with every key masked
 # (padding) gets a uniform softmax instead of NaN.
-_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
 def as_dtype(name: str | Any) -> Any:
@@ -161,7 +162,7 @@ def attend(q_BxTxHxDh: jax.Array, k_BxSxKxDh: jax.Array, v_BxSxKxDh: jax.Array, 
     q = q_BxTxHxDh.reshape(B, T, K, H // K, Dh)
     s = jnp.einsum("btkgd,bskd->bkgts", q, k_BxSxKxDh, preferred_element_type=jnp.float32)
     s = s * (1.0 / math.sqrt(Dh))
-    s = jnp.where(mask_BxTxS[:, None, None, :, :], s, _MASK_VALUE)
+    s = jnp.where(mask_BxTxS[:, None, None, :, :], s, MASK_VALUE)
     p = jax.nn.softmax(s, axis=-1).astype(v_BxSxKxDh.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", p, v_BxSxKxDh)
     return out.reshape(B, T, H, Dh)
@@ -182,7 +183,7 @@ def attend_cached(
     q = q_BxTxHxDh.reshape(B, T, K, H // K, Dh).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, Dh]
     s = jnp.einsum("bkgtd,bksd->bkgts", q, k_BxKxSxDh, preferred_element_type=jnp.float32)
     s = s * (1.0 / math.sqrt(Dh))
-    s = jnp.where(mask_BxTxS[:, None, None, :, :], s, _MASK_VALUE)
+    s = jnp.where(mask_BxTxS[:, None, None, :, :], s, MASK_VALUE)
     p = jax.nn.softmax(s, axis=-1).astype(v_BxKxSxDh.dtype)
     # Output head-major too, then one small transpose: asked for [B, T, K, G, Dh] directly,
     # XLA:CPU computed V^T p with the result transposed, 1.3x slower for the whole step.
@@ -222,7 +223,7 @@ def _blocked_attention_fwd(q, k, v, mask, window, chunk):
         qb = q[:, :, s:e].reshape(B, K, rows, Dh)
         sc = jnp.einsum("bkrd,bkds->bkrs", qb, k_t[..., ks:e], preferred_element_type=jnp.float32)
         sc = sc.reshape(B, K, e - s, G, e - ks)
-        sc = jnp.where(mask[:, None, s:e, None, ks:e], sc, _MASK_VALUE)
+        sc = jnp.where(mask[:, None, s:e, None, ks:e], sc, MASK_VALUE)
         p = jnp.exp(sc - jnp.max(sc, axis=-1, keepdims=True)).reshape(B, K, rows, e - ks)
         l = jnp.sum(p, axis=-1, keepdims=True)
         o = jnp.einsum("bkrs,bksd->bkrd", p.astype(v.dtype), v[:, :, ks:e], preferred_element_type=jnp.float32)
@@ -294,8 +295,9 @@ def causal_attend(
 class Attention(nnx.Module):
     """Grouped-query self-attention with optional q/k bias and q/k RMSNorm (Qwen3)."""
 
-    def __init__(self, cfg: Any, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: Any, *, rngs: nnx.Rngs, cp=None):
         D, H, K, Dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.cp = cp  # a ptrain.models.context_parallel.ContextParallel plan, or None
         pd = as_dtype(cfg.param_dtype)
         self.dtype = as_dtype(cfg.dtype)
         self.q = param(rngs, (D, H, Dh), ("embed", "heads", "head_dim"), std=cfg.init_std, dtype=pd)
@@ -344,6 +346,10 @@ class Attention(nnx.Module):
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         """Self-attention over x. Returns (out [B, T, D], updated cache or None).
 
+        mask_BxTxS: boolean [B, T, S]; or, when the decoder splits the sequence over a
+        context axis (its `cp` plan), the int segment ids [B, T] the plan builds each block's
+        mask from, since no device may hold a whole [T, T] mask.
+
         With `kv_cache` (k, v, each [R, K, S_max, Dh], R >= B): the batch is cache rows
         [0, B). The T new keys/values of row b are written at slots cache_index + [0, T):
         `cache_index` is a scalar (every row the same) or a [B] vector of per-row slots,
@@ -355,8 +361,12 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is None:
-            out = causal_attend(q, k, v, mask_BxTxS, self.sliding_window)
-            return self._out(out), None
+            if mask_BxTxS.ndim == 2:
+                out = self.cp.attend(q, k, v, mask_BxTxS, self.sliding_window)
+            else:
+                out = causal_attend(q, k, v, mask_BxTxS, self.sliding_window)
+            # the one activation model.remat=attention keeps for the backward pass
+            return self._out(checkpoint_name(out, "attention_out")), None
         ck, cv = kv_cache
         B, T, K = k.shape[:3]
         k_new, v_new = k.transpose(0, 2, 1, 3).astype(ck.dtype), v.transpose(0, 2, 1, 3).astype(cv.dtype)
@@ -437,15 +447,21 @@ def _swiglu_bwd(residuals, dy):
     h = (act * u32).astype(x.dtype)
     dg = (dh * u32 * (sig + act * (1.0 - sig))).astype(x.dtype)
     du = (dh * act).astype(x.dtype)
-    x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
-    dg2, du2 = dg.reshape(-1, dg.shape[-1]), du.reshape(-1, du.shape[-1])
     dx = dg @ w_gate.T + du @ w_up.T
     return (
         dx,
-        (x2.T @ dg2).astype(w_gate.dtype),
-        (x2.T @ du2).astype(w_up.dtype),
-        (h.reshape(-1, h.shape[-1]).T @ dy2).astype(w_down.dtype),
+        _over_tokens(x, dg).astype(w_gate.dtype),
+        _over_tokens(x, du).astype(w_up.dtype),
+        _over_tokens(h, dy).astype(w_down.dtype),
     )
+
+
+def _over_tokens(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a^T b for a [..., M] and b [..., N]: [M, N] summed over every leading (token) axis.
+    Contracted in place rather than flattened to [tokens, M] first: a flatten of a batch
+    split and a sequence split (context parallelism) made XLA gather the sequence."""
+    lead = tuple(range(a.ndim - 1))
+    return jax.lax.dot_general(a, b, ((lead, lead), ((), ())))
 
 
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)

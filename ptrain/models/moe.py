@@ -44,18 +44,6 @@ class RouterBias(nnx.Variable):
     """Per-expert selection bias of a sigmoid router; state outside the optimizer."""
 
 
-def _rule_axes(rules, logical: str) -> tuple[str, ...]:
-    """Mesh axes the first rule for `logical` names (rules: default ptrain.parallel.DEFAULT_RULES)."""
-    from ptrain.parallel.sharding import DEFAULT_RULES
-
-    for name, mesh_axes in rules or DEFAULT_RULES:
-        if name == logical:
-            if mesh_axes is None:
-                return ()
-            return tuple(mesh_axes) if isinstance(mesh_axes, (list, tuple)) else (mesh_axes,)
-    return ()
-
-
 def expert_parallel_axis(cfg: Any, mesh: jax.sharding.Mesh | None, rules=None) -> str | None:
     """The mesh axis the MoE blocks run expert-parallel on, or None (no mesh, a dense
     model, or the logical `expert` axis maps to mesh axes of size 1 only).
@@ -67,7 +55,9 @@ def expert_parallel_axis(cfg: Any, mesh: jax.sharding.Mesh | None, rules=None) -
     """
     if mesh is None or not cfg.is_moe:
         return None
-    axes = [a for a in _rule_axes(rules, "expert") if a in mesh.shape and mesh.shape[a] > 1]
+    from ptrain.parallel.sharding import split_axes
+
+    axes = split_axes(mesh, rules, "expert")
     if not axes:
         return None
     if len(axes) > 1:
@@ -88,22 +78,32 @@ def expert_parallel_axis(cfg: Any, mesh: jax.sharding.Mesh | None, rules=None) -
 class ExpertParallel:
     """How the MoE blocks run expert-parallel (hashable: a static attribute of the module).
 
-    mesh: the device mesh; axis: the mesh axis the experts are split over; batch_axes: the
-    mesh axes (of size > 1) the activations' batch dimension is split over.
+    mesh: the device mesh; axis: the mesh axis the experts are split over; batch_axes and
+    length_axes: the mesh axes (of size > 1) the activations' batch and sequence dimensions
+    are split over.
     """
 
     mesh: jax.sharding.Mesh
     axis: str
     batch_axes: tuple[str, ...]
+    length_axes: tuple[str, ...] = ()
 
 
 def expert_parallel_plan(cfg: Any, mesh: jax.sharding.Mesh | None, rules=None) -> ExpertParallel | None:
-    """The ExpertParallel plan for `cfg` on `mesh` under `rules`, or None (see expert_parallel_axis)."""
+    """The ExpertParallel plan for `cfg` on `mesh` under `rules`, or None (see expert_parallel_axis).
+
+    With the experts unsplit but the sequence split (context parallelism), the plan runs
+    the same dispatch over an axis of size 1: each device routes its own tokens through
+    every expert. Left to automatic partitioning, the token sort of the dispatch gathered
+    every token of the sequence onto each device, undoing the split."""
+    from ptrain.parallel.sharding import split_axes
+
     axis = expert_parallel_axis(cfg, mesh, rules)
+    if axis is None and cfg.is_moe and mesh is not None and split_axes(mesh, rules, "length"):
+        axis = next((a for a in mesh.axis_names if mesh.shape[a] == 1), None)
     if axis is None:
         return None
-    batch_axes = tuple(a for a in _rule_axes(rules, "batch") if a in mesh.shape and mesh.shape[a] > 1)
-    return ExpertParallel(mesh, axis, batch_axes)
+    return ExpertParallel(mesh, axis, split_axes(mesh, rules, "batch"), split_axes(mesh, rules, "length"))
 
 
 class MoE(nnx.Module):
@@ -178,9 +178,13 @@ class MoE(nnx.Module):
         """Pins the block's input and output to the activations' batch layout around the
         shard_map (module docstring), so its all-token split does not spread into the
         attention through sharding propagation, forwards or backwards."""
-        if ep is None or a_BxLxD.shape[0] % math.prod(ep.mesh.shape[a] for a in ep.batch_axes):
+        if ep is None:
             return a_BxLxD
-        layout = NamedSharding(ep.mesh, PartitionSpec(ep.batch_axes or None, None, None))
+        B, L, _ = a_BxLxD.shape
+        size = lambda axes: math.prod(ep.mesh.shape[a] for a in axes)  # noqa: E731
+        if B % size(ep.batch_axes) or L % size(ep.length_axes):
+            return a_BxLxD
+        layout = NamedSharding(ep.mesh, PartitionSpec(ep.batch_axes or None, ep.length_axes or None, None))
         return jax.lax.with_sharding_constraint(a_BxLxD, layout)
 
 

@@ -12,7 +12,8 @@ from ptrain.config.run import resolve_mesh_shape
 
 
 def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
-    """A 4-axis mesh (data, fsdp, tensor, expert) over all devices, in Auto axis mode.
+    """A mesh with the axes of choices.MESH_AXES (data, fsdp, context, tensor, expert) over
+    all devices, in Auto axis mode.
 
     Auto (not Explicit) axes: the model is written with logical names and jit shardings,
     the classic GSPMD style; `jax.make_mesh` would default to Explicit axes.
@@ -21,7 +22,7 @@ def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
     shape = resolve_mesh_shape(cfg, len(devices))
     if len({d.process_index for d in devices}) > 1 and devices[0].platform != "tpu":
         # Several processes (hosts): process-major order, so the outer axes (data first) cross
-        # processes and the inner ones (fsdp, tensor, expert) stay on one host's fast links
+        # processes and the inner ones (fsdp, context, tensor, expert) stay on one host's fast links
         # where they fit. Device ids say nothing of the order (a second CPU process's start
         # at 2048); TPU pods keep mesh_utils, which knows their physical topology.
         dev_array = np.asarray(sorted(devices, key=lambda d: (d.process_index, d.id))).reshape(shape)

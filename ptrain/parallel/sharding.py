@@ -11,9 +11,11 @@ from jax.sharding import PartitionSpec as P
 
 # Logical axis -> mesh axes, tried in order. Params are sharded over fsdp on their
 # embedding dimension (ZeRO-3 style) and over tensor on heads / MLP hidden; experts over
-# the expert axis. Activations' batch axis spans data and fsdp.
+# the expert axis. Activations' batch axis spans data and fsdp, their sequence (`length`)
+# axis the context axis.
 DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("batch", ("data", "fsdp")),
+    ("length", "context"),
     ("vocab", "tensor"),
     ("embed", "fsdp"),
     ("mlp", "tensor"),
@@ -30,6 +32,19 @@ def _as_tuple(x) -> tuple:
     if x is None:
         return ()
     return tuple(x) if isinstance(x, (list, tuple)) else (x,)
+
+
+def rule_axes(rules: Sequence[tuple[str, Any]] | None, logical: str) -> tuple[str, ...]:
+    """Mesh axes the first rule for `logical` names (rules None: DEFAULT_RULES)."""
+    for name, mesh_axes in rules or DEFAULT_RULES:
+        if name == logical:
+            return _as_tuple(mesh_axes)
+    return ()
+
+
+def split_axes(mesh: Mesh, rules: Sequence[tuple[str, Any]] | None, logical: str) -> tuple[str, ...]:
+    """The mesh axes of size > 1 that the rules put `logical` on."""
+    return tuple(a for a in rule_axes(rules, logical) if a in mesh.shape and mesh.shape[a] > 1)
 
 
 def logical_to_spec(

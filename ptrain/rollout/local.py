@@ -1331,7 +1331,7 @@ def eos_ids_of(path: str) -> tuple[int, ...]:
 
 
 def tensor_parallel_mesh(tp_size: int):
-    """A (data, fsdp, tensor, expert) mesh with the weights split over `tp_size` devices."""
+    """A mesh (the axes of choices.MESH_AXES) with the weights split over `tp_size` devices of its tensor axis."""
     from ptrain.config.mesh import MeshConfig
     from ptrain.parallel import make_mesh
 

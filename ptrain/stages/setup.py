@@ -154,6 +154,7 @@ def load_model(run: RunConfig, path: str, mesh, tokenizer=None):
         remat=m.remat,
         scan_layers=m.scan_layers,
         moe_implementation=m.moe_implementation,
+        context_attention=m.context_attention,
         router_aux_loss_coef=m.router_aux_loss_coef,
         router_bias_update_rate=m.router_bias_update_rate,
     )

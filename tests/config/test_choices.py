@@ -96,6 +96,7 @@ def test_the_mesh_shape_is_resolved_once_with_the_key_named():
     from ptrain.config.run import resolve_mesh_shape
     from ptrain.parallel import make_mesh
 
-    assert resolve_mesh_shape(MeshConfig(fsdp=2), 8) == (4, 2, 1, 1)
+    assert resolve_mesh_shape(MeshConfig(fsdp=2), 8) == (4, 2, 1, 1, 1)
+    assert resolve_mesh_shape(MeshConfig(context=4), 8) == (2, 1, 4, 1, 1)
     with pytest.raises(ConfigError, match="config key 'mesh'"):
         make_mesh(MeshConfig(tensor=3))

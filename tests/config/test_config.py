@@ -145,7 +145,12 @@ def test_mesh_must_fit_the_devices_and_the_batch():
     with pytest.raises(ConfigError, match="mesh"):
         check_mesh_fits(run, 4)
     run.train.global_batch_size = 16
-    assert check_mesh_fits(run, 8) == (2, 2, 2, 1)
+    assert check_mesh_fits(run, 8) == (2, 2, 1, 2, 1)  # data, fsdp, context, tensor, expert
+    run = to_run_config(composed("mesh.context=4", "train.seq_len=130", "train.global_batch_size=8"))
+    with pytest.raises(ConfigError, match=r"train.seq_len.*multiple of 4"):
+        check_mesh_fits(run, 8)
+    run.train.seq_len = 128
+    assert check_mesh_fits(run, 8) == (2, 1, 4, 1, 1)
 
 
 def test_overrides_a_stage_replaces_are_pointed_out():
@@ -247,6 +252,8 @@ def test_nemotron_like_published_scale_names_every_value_its_launch_must_give():
     args = ["recipe=nemotron_like", "scale=published"]
     cfg = composed(*args)
     assert cfg.scales.published.algo.grpo.prompts_per_step == 128
+    # Nano's 262,144-token SFT rows split over 8 devices of the context axis
+    assert cfg.scales.published.mesh.context == 8 and cfg.scales.published.train.seq_len % 8 == 0
     with pytest.raises(ConfigError) as e:
         to_run_config(cfg, args)
     msg = str(e.value)

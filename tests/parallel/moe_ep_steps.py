@@ -120,7 +120,8 @@ def run_steps(run: RunConfig, model, mesh, batches):
         out["loss"].append(float(m["loss"]))
         out["grad_norm"].append(float(m["grad_norm"]))
         # Summed over micro-batches inside the step; finalize_metrics divides the same way.
-        out["expert_load"].append((np.asarray(m["expert_load"]) / run.train.grad_accum).tolist())
+        # (a dense model reports none)
+        out["expert_load"].append((np.asarray(m.get("expert_load", [])) / run.train.grad_accum).tolist())
         if i == 0:
             out["grads"] = flat(host(state.opt_state))
     out["model_state"] = flat(host(state.model_state))

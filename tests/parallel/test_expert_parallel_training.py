@@ -6,29 +6,15 @@ One subprocess (moe_ep_steps.py) runs every check, so that XLA sees 8 devices an
 step compiles once.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-HERE = os.path.dirname(__file__)
+from tests.parallel.host_devices import run_on_eight_devices
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ep") / "results.json"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "moe_ep_steps.py"), str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return dict(json.loads(out.read_text()), stderr=proc.stderr)
+    got, stderr = run_on_eight_devices("moe_ep_steps.py", tmp_path_factory.mktemp("ep") / "results.json")
+    return dict(got, stderr=stderr)
 
 
 @pytest.mark.multidevice

@@ -95,6 +95,20 @@ def test_greedy_is_the_full_forward_argmax_path(engine, forward):
         assert s.logprobs == s.sampling_logprobs  # greedy: one distribution
 
 
+def test_a_long_prompt_prefilled_in_chunks_matches_the_full_forward(model, forward):
+    """A 50-token prompt through 16-token prefill chunks (bounded activations): the prompt's
+    log-probs and the greedy continuation are the full forward's."""
+    prompt = prompts(1, seed=7, lo=50, hi=51)[0]
+    with LocalEngine(model, max_running_requests=2, context_length=CTX, decode_steps=4, prefill_chunk=16) as eng:
+        sampling = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+        ((s,),) = eng.generate_many([GenerateRequest(tuple(prompt), sampling, return_prompt_logprobs_from=0)])
+    seq = list(prompt)
+    for _ in range(4):
+        seq.append(int(np.argmax(forward(seq)[0][-1])))
+    assert list(s.output_ids) == seq[len(prompt) :]
+    np.testing.assert_allclose(s.prompt_logprobs, forward(prompt)[1], atol=1e-4)
+
+
 def test_sampled_logprobs_equal_the_trainers_full_vocabulary_logprobs(engine, forward):
     """logprobs: the trainer's log softmax(logits / T) on the same tokens (within 1e-4 in
     float32); sampling_logprobs: the truncated distribution, which puts more mass on each
