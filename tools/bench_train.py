@@ -3,6 +3,14 @@
     python tools/bench_train.py                 # the issue's shape: 8 layers, d 512, batch 8 x 512, float32
     python tools/bench_train.py --steps 5 --layers 2 --batch 4 --seq 256   # a quick look
     python tools/bench_train.py --lora 16      # full fine-tuning against LoRA rank 16, same shape
+    python tools/bench_train.py --seq-len 1024,2048,4096,8192 --context 4   # memory against length
+
+With `--seq-len L1,L2,...` nothing is timed: for each length the SFT step (one row of L
+tokens, the stages' own placement and jit) is compiled, not run, and XLA's buffer
+assignment gives its peak memory per device (arguments + outputs + temporaries) on one
+device and with the sequence split over `--context N` host devices (mesh.context=N), each
+in its own process with N host devices. The table prints both against L, their ratio, and
+the longest length of the sweep whose one-device peak fits `--device-memory-gib`.
 
 With `--lora R` the step is timed twice, each in its own process so that peak memory (max RSS)
 is each one's own: full fine-tuning, and LoRA adapters of rank R on every linear layer of a
@@ -214,6 +222,83 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--pause-ms", type=float, default=0.0, help="sleep after each step, outside the timing")
 
 
+def step_memory(args, context: int, lengths: list[int]) -> list[dict]:
+    """Per length: the compiled SFT step's memory per device with the sequence split over
+    `context` devices (this process must see exactly that many)."""
+    from ptrain.config import MeshConfig, RunConfig
+    from ptrain.parallel import make_mesh
+    from ptrain.stages.setup import jit_step, place_state
+
+    devices = jax.devices()
+    assert len(devices) == context, f"expected {context} devices, got {len(devices)}"
+    rows = []
+    for L in lengths:
+        args.seq = L
+        cfg = model_config(args)
+        run = RunConfig(model=cfg, mesh=MeshConfig(data=1, context=context))
+        mesh = make_mesh(run.mesh, devices)
+        tx, lr = make_optimizer(OptimConfig(lr=1e-4, schedule="constant"), 1000)
+        placed = place_state(run, Decoder(cfg, rngs=nnx.Rngs(0), mesh=mesh), tx, mesh)
+        algo = SFTAlgoConfig()
+        objective = make_sft_objective(placed.model_def, algo, vocab_chunk=args.vocab_chunk)
+        step = jit_step(make_train_step(objective, sft_denominator(algo, 1.0), tx, lr), placed)
+        ids = np.zeros((1, L), np.int32)
+        batch = dict(input_ids=ids, target_ids=ids, loss_mask=np.ones((1, L), np.float32), segment_ids=ids + 1,
+                     positions=np.arange(L, dtype=np.int32)[None])  # fmt: skip
+        t = time.perf_counter()
+        mem = step.lower(placed.state, batch).compile().memory_analysis()
+        peak = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
+        rows.append(dict(seq_len=L, context=context, peak_mib=round(peak / 2**20, 1),
+                         args_mib=round(mem.argument_size_in_bytes / 2**20, 1),
+                         temp_mib=round(mem.temp_size_in_bytes / 2**20, 1),
+                         compile_s=round(time.perf_counter() - t, 1)))  # fmt: skip
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
+def memory_against_length(argv: list[str], lengths: list[int], context: int, budget_gib: float) -> dict:
+    """One device and `context` host devices, each in a fresh process (the device count is
+    fixed when jax starts); prints the table and returns it."""
+    rest, skip = [], False
+    for a in argv:
+        if skip or a.startswith(("--seq-len=", "--context=")):
+            skip = False
+            continue
+        if a in ("--seq-len", "--context"):
+            skip = True
+            continue
+        rest.append(a)
+    base = 16 * context  # the activations' share is the growth over this shortest length
+    lengths = [base, *lengths]
+    out = {}
+    for n in sorted({1, context}):
+        env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}",
+                   JAX_PLATFORMS="cpu")  # fmt: skip
+        cmd = [sys.executable, os.path.abspath(__file__), *rest, "--memory-of", f"{n}:{','.join(map(str, lengths))}"]
+        text = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+        out[n] = json.loads(text[text.index("[") :])
+    print(f"peak memory per device of one SFT step (1 row), MiB; budget {budget_gib} GiB per device")
+    print(f"(activations: the growth of the temporaries over length {base}, whose params-sized buffers stay)")
+    head = f"{'seq_len':>8} {'peak, 1':>10} {f'peak, {context}':>10} {'ratio':>6} {'act., 1':>10} {f'act., {context}':>10} {'ratio':>6}"
+    print(head)
+    for one, split in zip(out[1][1:], out[context][1:]):
+        a1, an = one["temp_mib"] - out[1][0]["temp_mib"], split["temp_mib"] - out[context][0]["temp_mib"]
+        one["activations_mib"], split["activations_mib"] = round(a1, 1), round(an, 1)
+        ratio = one["peak_mib"] / split["peak_mib"]
+        act = f"{a1 / an:6.2f}" if an > 0 else f"{'-':>6}"
+        print(
+            f"{one['seq_len']:>8} {one['peak_mib']:>10} {split['peak_mib']:>10} {ratio:>6.2f} {a1:>10.1f} {an:>10.1f} {act}"
+        )
+    fits = {n: max((r["seq_len"] for r in rows if r["peak_mib"] <= budget_gib * 1024), default=None)
+            for n, rows in out.items()}  # fmt: skip
+    print(
+        f"longest length of the sweep within the budget: {fits[1]} on one device, {fits[context]} split {context} ways"
+    )
+    result = {"rows": out, "longest_within_budget": fits, "budget_gib": budget_gib}
+    print(json.dumps(result))
+    return result
+
+
 def compare_lora(argv: list[str], rank: int) -> None:
     """Full fine-tuning and LoRA of `rank` on the same shape, each in a fresh process."""
     rest = [a for i, a in enumerate(argv) if a != "--lora" and (i == 0 or argv[i - 1] != "--lora")]
@@ -238,7 +323,23 @@ def main(argv=None):
     )
     ap.add_argument("--lora", type=int, default=0, help="compare full fine-tuning with LoRA of this rank")
     ap.add_argument("--lora-rank", type=int, default=0, help=argparse.SUPPRESS)  # one side of --lora
+    ap.add_argument("--seq-len", default="", help="comma-separated lengths: peak memory per device against length")
+    ap.add_argument("--context", type=int, default=4, help="with --seq-len: the mesh.context size compared to 1")
+    ap.add_argument("--device-memory-gib", type=float, default=24.0, help="with --seq-len: memory of one device")
+    ap.add_argument("--memory-of", default="", help=argparse.SUPPRESS)  # N:L1,L2 (one side of --seq-len)
     args = ap.parse_args(argv)
+    if args.memory_of:
+        n, lengths = args.memory_of.split(":")
+        print(json.dumps(step_memory(args, int(n), [int(x) for x in lengths.split(",")])))
+        return
+    if args.seq_len:
+        lengths = [int(x) for x in args.seq_len.split(",")]
+        bad = [L for L in lengths if L % args.context]
+        if bad:
+            ap.error(f"--seq-len {bad} do not split over --context {args.context}; pass multiples of it")
+        argv = argv if argv is not None else sys.argv[1:]
+        memory_against_length(argv, lengths, args.context, args.device_memory_gib)
+        return
     if args.peak_only:
         print(matmul_peak(args.peak_n))
         return

@@ -65,6 +65,25 @@ def test_bench_train_runs_on_a_tiny_shape():
     assert res["tokens_per_s"] > 0 and 0 < res["mfu"] < 1.5
 
 
+def test_bench_train_reports_memory_per_device_against_length_with_the_sequence_split():
+    shape = "--layers 1 --d-model 32 --heads 2 --kv-heads 2 --head-dim 16 --d-ff 64 --vocab 128".split()
+    args = [*shape, "--seq-len", "256,512", "--context", "2", "--device-memory-gib", "0.03"]
+    out = subprocess.run([sys.executable, "tools/bench_train.py", *args], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    one, split = res["rows"]["1"], res["rows"]["2"]
+    assert [r["seq_len"] for r in one] == [r["seq_len"] for r in split] == [32, 256, 512]  # 16 x context: the base
+    # the split holds less at the longest length, and the one-device step grows faster with length
+    assert split[-1]["peak_mib"] < one[-1]["peak_mib"]
+    assert one[-1]["activations_mib"] > split[-1]["activations_mib"]
+    for n, rows in (("1", one), ("2", split)):
+        fits = [r["seq_len"] for r in rows if r["peak_mib"] <= 0.03 * 1024]
+        assert res["longest_within_budget"][n] == max(fits, default=None)
+    bad = subprocess.run([sys.executable, "tools/bench_train.py", "--seq-len", "100", "--context", "3"],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert bad.returncode == 2 and "do not split over --context 3" in bad.stderr
+
+
 def test_bench_train_compares_full_fine_tuning_with_lora():
     tiny = "--layers 1 --d-model 64 --heads 2 --kv-heads 1 --head-dim 32 --d-ff 128 --vocab 128 --batch 2 --seq 32"
     args = [*tiny.split(), "--steps", "1", "--warmup", "0", "--peak-n", "256", "--lora", "4"]
