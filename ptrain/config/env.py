@@ -510,5 +510,5 @@ def register_env_configs() -> None:
 import ptrain.config.env_judge  # noqa: E402, F401  (judge)
 import ptrain.config.env_multi_turn  # noqa: E402, F401  (tool_use, long_horizon, terminal)
 import ptrain.config.env_nemo_gym  # noqa: E402, F401  (nemo_gym)
-import ptrain.config.env_verifiable  # noqa: E402, F401  (mcqa, instruction_following, structured_output)
+import ptrain.config.env_verifiable  # noqa: E402, F401  (mcqa, instruction_following, structured_output, long_context)
 import ptrain.config.env_verifiers  # noqa: E402, F401  (verifiers)

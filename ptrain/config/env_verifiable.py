@@ -1,6 +1,6 @@
 """Options of the verifiable single-turn kinds modelled on Nemotron 3 Nano's RL environments
-(its `mcqa`, `instruction_following` and `structured_outputs_json`), scaled down and generated
-locally from the seed: nothing is downloaded.
+(its `mcqa`, `instruction_following`, `structured_outputs_json` and long-context QA), scaled
+down and generated locally from the seed: nothing is downloaded.
 
     envs:
       mcqa:
@@ -12,12 +12,16 @@ locally from the seed: nothing is downloaded.
       structured_output:
         kind: structured_output
         options: {min_properties: 2, max_properties: 6}
+      long_context:
+        kind: long_context
+        options: {n_documents: 4, context_tokens: 8192}
 
-The kinds live in ptrain/envs/mcqa.py, ptrain/envs/instruction_following.py and
-ptrain/envs/structured_output.py. The vocabularies those modules draw from (question
-families, constraint families and which of them contradict each other, schema property names
-by type) are declared here, so that an option naming something unknown, or asking for more
-than the vocabulary can give, is refused while the config is validated.
+The kinds live in ptrain/envs/mcqa.py, ptrain/envs/instruction_following.py,
+ptrain/envs/structured_output.py and ptrain/envs/long_context.py. The vocabularies those
+modules draw from (question families, constraint families and which of them contradict each
+other, schema property names by type, fact attributes) are declared here, so that an option
+naming something unknown, or asking for more than the vocabulary can give, is refused while
+the config is validated.
 
 Jax-free, like the rest of ptrain.config.
 """
@@ -77,6 +81,15 @@ object nested one level (its own properties all required, of the scalar types)."
 STRUCTURED_TYPES = tuple(STRUCTURED_FIELDS)
 STRUCTURED_MAX_PROPERTIES = 10
 """Most top-level properties of a generated schema."""
+
+LONG_CONTEXT_ATTRIBUTES = ("access code", "founding year", "registry number", "head keeper", "call sign")
+"""Attributes of the made-up entities whose values the long_context documents state (a
+4-digit code, a year, a 6-digit number, a person's name, a code like KR-417), one fact a
+sentence: `The access code of the Vantor archive is 4817.`"""
+LONG_CONTEXT_MAX_DOCUMENTS = 64
+LONG_CONTEXT_MAX_FACTS = 8
+LONG_CONTEXT_TOKENS = (256, 1 << 20)
+"""Shortest and longest prompt (context_tokens) a long_context task is built to."""
 
 
 def largest_compatible(families: list[str] | tuple[str, ...]) -> int:
@@ -228,4 +241,63 @@ class StructuredOutputOptions:
             f"must be between 0 and 1, got {self.optional_probability}",
         )
         _check(self.max_answer_chars >= 64, f"{where}.max_answer_chars", f"must be >= 64, got {self.max_answer_chars}")
+        _check_rewards(self, where)
+
+
+@register_options("long_context")
+@dataclass
+class LongContextOptions:
+    """Long-context QA: a question over several generated documents whose answer is a fact
+    stated in exactly one of them, the documents padded with filler to a prompt of
+    context_tokens tokens; the answer goes in \\boxed{} (or <answer> tags), matched exactly
+    after normalisation (case, surrounding space, a final period)."""
+
+    n_documents: int = 4
+    """Documents in each prompt (1 to 64)."""
+    facts_per_document: int = 2
+    """Facts stated in each document (1 to 8): each document states the asked attribute of one
+    of its entities (the other documents' ones are the distractors); in the right document a
+    second fact, when there is one, gives the asked entity's value of another attribute (with
+    two or more attributes)."""
+    context_tokens: int = 4096
+    """Prompt length to build to, in the policy tokenizer's tokens with the chat template
+    (256 to 1048576): filler sentences are added until one more would pass it."""
+    needle_depth: Any = "random"
+    """Where the answer's fact sits in the documents: a number from 0 (the start of the first
+    document) to 1 (the end of the last), or "random" (uniform, drawn per task)."""
+    attributes: list[str] = field(default_factory=lambda: list(LONG_CONTEXT_ATTRIBUTES))
+    """Attributes asked about and stated (LONG_CONTEXT_ATTRIBUTES above)."""
+    name_title: bool = False
+    """The question names the document that holds the answer. False: the model must find it."""
+    format_reward: float = 0.0
+    """Reward component `format` (>= 0) for a completion with a final answer in \\boxed{} or
+    <answer> tags."""
+    correct_reward: float = 1.0
+    """Reward component `correct` (>= 0) for the right value."""
+
+    def validate(self, where: str) -> None:
+        _check(
+            1 <= self.n_documents <= LONG_CONTEXT_MAX_DOCUMENTS,
+            f"{where}.n_documents",
+            f"need 1 <= n_documents <= {LONG_CONTEXT_MAX_DOCUMENTS}, got {self.n_documents}",
+        )
+        _check(
+            1 <= self.facts_per_document <= LONG_CONTEXT_MAX_FACTS,
+            f"{where}.facts_per_document",
+            f"need 1 <= facts_per_document <= {LONG_CONTEXT_MAX_FACTS}, got {self.facts_per_document}",
+        )
+        lo, hi = LONG_CONTEXT_TOKENS
+        _check(
+            lo <= self.context_tokens <= hi,
+            f"{where}.context_tokens",
+            f"must be between {lo} and {hi} (the prompt length in the policy's tokens), got {self.context_tokens}",
+        )
+        d = self.needle_depth
+        number = isinstance(d, int | float) and not isinstance(d, bool)
+        _check(
+            d == "random" or (number and 0.0 <= d <= 1.0),
+            f"{where}.needle_depth",
+            f'pass "random" or a number from 0 (start of the first document) to 1 (end of the last), got {d!r}',
+        )
+        _check_names(self.attributes, f"{where}.attributes", LONG_CONTEXT_ATTRIBUTES)
         _check_rewards(self, where)

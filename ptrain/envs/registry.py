@@ -103,6 +103,12 @@ def _structured_output() -> type:
     return StructuredOutputEnv
 
 
+def _long_context() -> type:
+    from ptrain.envs.long_context import LongContextEnv
+
+    return LongContextEnv
+
+
 def _verifiers() -> type:
     from ptrain.envs.verifiers_env import VerifiersEnv
 
@@ -123,6 +129,7 @@ ENV_CLASSES: dict[str, Callable[[], type]] = {
     "mcqa": _mcqa,
     "instruction_following": _instruction_following,
     "structured_output": _structured_output,
+    "long_context": _long_context,
     "verifiers": _verifiers,
 }
 """Environment kind -> a function that imports and returns its Environment class. The

@@ -33,6 +33,7 @@ SINGLE_TURN = {
     "math_answer_tag": ("math", {"answer_format": "answer_tag"}),
     "mcqa": ("mcqa", {"format_reward": 0.2, "correct_reward": 0.8}),
     "structured_output": ("structured_output", {"format_reward": 0.1}),
+    "long_context": ("long_context", {"context_tokens": 1024, "format_reward": 0.1}),
     "instruction_following": ("instruction_following", {}),
     "instruction_following_many": ("instruction_following", {"min_constraints": 4, "max_constraints": 6}),
     "countdown": ("countdown", {}),
