@@ -9,9 +9,11 @@ Where the values come from, first match wins, key by key:
      distributed.coordinator_address=host:port` (command line or recipe);
   2. the environment: PTRAIN_NUM_PROCESSES, PTRAIN_PROCESS_ID, PTRAIN_COORDINATOR (what
      `tools/launch_local.py` sets for each process it starts);
-  3. a launcher that `jax.distributed.initialize()` reads by itself when all three are
-     null: an srun step of a Slurm job with SLURM_NTASKS > 1, or an Open MPI job
-     (mpirun -np N with N > 1);
+  3. a launcher, when all three are null: an srun step of a Slurm job with SLURM_NTASKS > 1,
+     or an Open MPI job (mpirun -np N with N > 1), which `jax.distributed.initialize()` reads
+     by itself; or a job of submitit's local executor with more than one task (Hydra's
+     `hydra/launcher=submitit_local`), whose ranks come from its SUBMITIT_LOCAL_* variables
+     and whose coordinator is on loopback (submitit on Slurm runs srun, which is the first);
   4. otherwise one process.
 `distributed.num_processes=1` forces one process even under such a launcher.
 """
@@ -65,6 +67,9 @@ class DistributedConfig:
                         ) from None
                 given[key], source[key] = value if key != "coordinator_address" else text, f" (from ${var})"
         if not given:
+            local = submitit_local_plan(environ)
+            if local is not None:
+                return local
             launcher, count = detect_launcher(environ)
             if launcher is None:
                 return DistributedPlan("single", num_processes=1, process_id=0)
@@ -144,3 +149,30 @@ def detect_launcher(environ: Mapping[str, str] = os.environ) -> tuple[str | None
     if environ.get("OMPI_MCA_orte_hnp_uri") and count("OMPI_COMM_WORLD_SIZE") > 1:
         return f"Open MPI (OMPI_COMM_WORLD_SIZE={count('OMPI_COMM_WORLD_SIZE')})", count("OMPI_COMM_WORLD_SIZE")
     return None, None
+
+
+SUBMITIT_LOCAL_PORTS = (61440, 4096)
+"""Coordinator ports of submitit local jobs: first + job id % count (JAX's own rule for Slurm),
+so that the tasks of one job agree on it without talking and concurrent jobs rarely share one."""
+
+
+def submitit_local_plan(environ: Mapping[str, str] = os.environ) -> DistributedPlan | None:
+    """The explicit plan of a task of a submitit local job with more than one task (all on
+    this machine), or None. JAX does not read submitit's variables, so the ranks come from
+    them here, and the coordinator is process 0 on loopback."""
+    try:
+        n = int(environ.get("SUBMITIT_LOCAL_NTASKS", "1"))
+        rank = int(environ.get("SUBMITIT_LOCAL_GLOBALID", "0"))
+        job = int(environ.get("SUBMITIT_LOCAL_JOB_ID", "").split("_")[0] or "0")
+    except ValueError:
+        return None
+    if not environ.get("SUBMITIT_LOCAL_JOB_ID") or n < 2:
+        return None
+    first, count = SUBMITIT_LOCAL_PORTS
+    return DistributedPlan(
+        "explicit",
+        num_processes=n,
+        process_id=rank,
+        coordinator_address=f"127.0.0.1:{first + job % count}",
+        launcher=f"submitit local (SUBMITIT_LOCAL_NTASKS={n})",
+    )

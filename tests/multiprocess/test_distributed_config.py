@@ -48,6 +48,15 @@ def test_a_slurm_step_or_mpirun_is_left_to_jax_and_a_one_task_script_is_not():
     assert DistributedConfig(num_processes=1).resolve(slurm).mode == "single"
 
 
+def test_a_submitit_local_job_of_several_tasks_gets_its_ranks_and_a_loopback_coordinator():
+    task = {"SUBMITIT_LOCAL_JOB_ID": "19269", "SUBMITIT_LOCAL_NTASKS": "2", "SUBMITIT_LOCAL_GLOBALID": "1"}
+    plan = DistributedConfig().resolve(task)
+    assert (plan.mode, plan.num_processes, plan.process_id) == ("explicit", 2, 1)
+    assert plan.coordinator_address == f"127.0.0.1:{61440 + 19269 % 4096}"  # the same for every task of the job
+    assert DistributedConfig().resolve(dict(task, SUBMITIT_LOCAL_NTASKS="1")).mode == "single"
+    assert DistributedConfig(num_processes=1).resolve(task).mode == "single"  # the config wins
+
+
 @pytest.mark.parametrize(
     "cfg, environ, key, fix",
     [
