@@ -10,8 +10,8 @@ Where the values come from, first match wins, key by key:
   2. the environment: PTRAIN_NUM_PROCESSES, PTRAIN_PROCESS_ID, PTRAIN_COORDINATOR (what
      `tools/launch_local.py` sets for each process it starts);
   3. a launcher, when all three are null: an srun step of a Slurm job with SLURM_NTASKS > 1,
-     or an Open MPI job (mpirun -np N with N > 1), which `jax.distributed.initialize()` reads
-     by itself; or a job of submitit's local executor with more than one task (Hydra's
+     an Open MPI job (mpirun -np N with N > 1), a TPU slice of several hosts on GKE, or a
+     Kubernetes JobSet, which `jax.distributed.initialize()` reads by itself; or a job of submitit's local executor with more than one task (Hydra's
      `hydra/launcher=submitit_local`), whose ranks come from its SUBMITIT_LOCAL_* variables
      and whose coordinator is on loopback (submitit on Slurm runs srun, which is the first);
   4. otherwise one process.
@@ -130,12 +130,16 @@ class DistributedPlan:
 
 
 def detect_launcher(environ: Mapping[str, str] = os.environ) -> tuple[str | None, int | None]:
-    """(launcher name, number of processes) of a multi-process launch that
-    `jax.distributed.initialize()` configures itself; (None, None) otherwise.
+    """(launcher name, number of processes or None where the environment does not say) of a
+    multi-process launch that `jax.distributed.initialize()` configures itself; (None, None)
+    otherwise.
 
     Slurm counts only inside a job step (srun sets SLURM_STEP_NODELIST, which JAX reads), so
     a one-task script in a many-task allocation stays one process. Open MPI: JAX reads
-    OMPI_MCA_orte_hnp_uri, which mpirun sets.
+    OMPI_MCA_orte_hnp_uri, which mpirun sets. A TPU slice of several hosts on GKE: the worker
+    list GKE sets, one process per host. A Kubernetes JobSet: JAX finds the other pods through
+    the Kubernetes API. A TPU VM slice on Compute Engine is not seen here (JAX asks the
+    metadata server): pass the three keys, or set TPU_WORKER_HOSTNAMES.
     """
 
     def count(var: str) -> int:
@@ -148,6 +152,12 @@ def detect_launcher(environ: Mapping[str, str] = os.environ) -> tuple[str | None
         return f"Slurm (SLURM_NTASKS={count('SLURM_NTASKS')})", count("SLURM_NTASKS")
     if environ.get("OMPI_MCA_orte_hnp_uri") and count("OMPI_COMM_WORLD_SIZE") > 1:
         return f"Open MPI (OMPI_COMM_WORLD_SIZE={count('OMPI_COMM_WORLD_SIZE')})", count("OMPI_COMM_WORLD_SIZE")
+    hosts = [h for h in environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
+    if len(hosts) > 1:
+        return f"TPU slice on GKE ({len(hosts)} hosts in TPU_WORKER_HOSTNAMES)", len(hosts)
+    if environ.get("KUBERNETES_SERVICE_HOST") and environ.get("JOBSET_NAME"):
+        # JAX asks the Kubernetes API for the JobSet's pods (pip install "jax[k8s]")
+        return f"Kubernetes JobSet {environ['JOBSET_NAME']!r}", None
     return None, None
 
 

@@ -48,6 +48,15 @@ def test_a_slurm_step_or_mpirun_is_left_to_jax_and_a_one_task_script_is_not():
     assert DistributedConfig(num_processes=1).resolve(slurm).mode == "single"
 
 
+def test_a_tpu_slice_on_gke_and_a_kubernetes_jobset_are_left_to_jax():
+    tpu = DistributedConfig().resolve({"TPU_WORKER_HOSTNAMES": "w-0,w-1,w-2,w-3", "TPU_WORKER_ID": "2"})
+    assert (tpu.mode, tpu.num_processes) == ("auto", 4) and "TPU" in tpu.launcher
+    assert DistributedConfig().resolve({"TPU_WORKER_HOSTNAMES": "w-0"}).mode == "single"  # one host
+    jobset = DistributedConfig().resolve({"KUBERNETES_SERVICE_HOST": "10.0.0.1", "JOBSET_NAME": "train"})
+    assert (jobset.mode, jobset.num_processes) == ("auto", None) and "JobSet" in jobset.launcher
+    assert DistributedConfig().resolve({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}).mode == "single"  # a lone pod
+
+
 def test_a_submitit_local_job_of_several_tasks_gets_its_ranks_and_a_loopback_coordinator():
     task = {"SUBMITIT_LOCAL_JOB_ID": "19269", "SUBMITIT_LOCAL_NTASKS": "2", "SUBMITIT_LOCAL_GLOBALID": "1"}
     plan = DistributedConfig().resolve(task)
