@@ -139,7 +139,8 @@ def time_steps(step, state, batch, warmup: int, steps: int, usage: dict | None =
     return compile_s, statistics.median(times), state, m
 
 
-def bench(args) -> dict:
+def bench(args, peak: float | None = None) -> dict:
+    """Times the SFT step at `args`' shape; MFU against `peak` FLOP/s (None: best_matmul_peak)."""
     cfg = model_config(args)
     model_def, params, rest = split_model(Decoder(cfg, rngs=nnx.Rngs(0)))
     tx, lr = make_optimizer(OptimConfig(lr=1e-4, schedule="constant"), 1000)
@@ -171,7 +172,7 @@ def bench(args) -> dict:
         step, state, jax.device_put(batch), args.warmup, args.steps, usage, args.pause_ms / 1000
     )
     tokens_per_s = B * L / step_s
-    peak = best_matmul_peak(args.peak_n)
+    peak = best_matmul_peak(args.peak_n) if peak is None else peak
     fpt = flops_per_token(cfg, L)
     return {
         "params_M": round(sum(x.size for x in jax.tree.leaves(params)) / 1e6, 2),

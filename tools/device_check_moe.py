@@ -136,11 +136,13 @@ def group_sizes_for(E, rows, seed=0):
     return jnp.asarray(rng.multinomial(rows, p), jnp.int32)
 
 
-def bench_speed(impl, results):
-    lhs = jax.random.normal(jax.random.PRNGKey(0), (ROWS, D_MODEL), jnp.bfloat16)
-    dout = jax.random.normal(jax.random.PRNGKey(1), (ROWS, D_FF), jnp.bfloat16)
-    flops = 2 * ROWS * D_MODEL * D_FF
-    w_dense = jax.random.normal(jax.random.PRNGKey(2), (D_MODEL, D_FF), jnp.bfloat16)
+def bench_speed(impl, results, rows=ROWS, d_model=D_MODEL, d_ff=D_FF, experts=(8, 64)):
+    """Times grouped_matmul of `impl` (best tiling) at each number of experts against a dense
+    bf16 matmul of the same FLOPs; appends one dict per number of experts to `results`."""
+    lhs = jax.random.normal(jax.random.PRNGKey(0), (rows, d_model), jnp.bfloat16)
+    dout = jax.random.normal(jax.random.PRNGKey(1), (rows, d_ff), jnp.bfloat16)
+    flops = 2 * rows * d_model * d_ff
+    w_dense = jax.random.normal(jax.random.PRNGKey(2), (d_model, d_ff), jnp.bfloat16)
     dense_f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
     dense_fb = jax.jit(
         jax.value_and_grad(lambda a, b, d: jnp.sum((a @ b).astype(jnp.float32) * d.astype(jnp.float32)), argnums=(0, 1))
@@ -148,12 +150,12 @@ def bench_speed(impl, results):
     t_dense_f = _bench(dense_f, lhs, w_dense)
     t_dense_fb = _bench(dense_fb, lhs, w_dense, dout)
     print(
-        f"  dense bf16 {ROWS}x{D_MODEL}x{D_FF}: fwd {flops / t_dense_f / 1e12:.0f} TFLOP/s, "
+        f"  dense bf16 {rows}x{d_model}x{d_ff}: fwd {flops / t_dense_f / 1e12:.0f} TFLOP/s, "
         f"fwd+bwd {3 * flops / t_dense_fb / 1e12:.0f} TFLOP/s"
     )
-    for E in (8, 64):
-        gs = group_sizes_for(E, ROWS)
-        rhs = (jax.random.normal(jax.random.PRNGKey(3), (E, D_MODEL, D_FF)) / 32).astype(jnp.bfloat16)
+    for E in experts:
+        gs = group_sizes_for(E, rows)
+        rhs = (jax.random.normal(jax.random.PRNGKey(3), (E, d_model, d_ff)) / 32).astype(jnp.bfloat16)
         best = None
         for tiling in TILINGS.get(impl, [None]):
             f = jax.jit(lambda a, b, g, t=tiling: moe.grouped_matmul(a, b, g, implementation=impl, tiling=t))
