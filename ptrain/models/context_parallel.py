@@ -10,9 +10,10 @@ needs nothing more; attention needs every earlier key, and runs in one of two wa
   `ppermute`, one neighbour hop per step, while each device attends its queries to the
   chunk it holds and merges the partial results with the online softmax (Liu et al. 2023,
   arXiv:2310.01889). A chunk from later in the sequence is causally masked whole, and its
-  step is skipped. The backward pass is a second ring in which each chunk's key and value
-  gradients travel with it and arrive home after N hops. No device holds more than two
-  chunks of keys and values.
+  step is skipped. Within a step the queries go in blocks (`RING_QUERY_BLOCK`), so one
+  [block, chunk] score matrix exists at a time. The backward pass is a second ring in which
+  each chunk's key and value gradients travel with it and arrive home after N hops. No
+  device holds more than two chunks of keys and values.
 - all_to_all: Ulysses-style (Jacobs et al. 2023, arXiv:2309.14509): an all-to-all trades the
   sequence split for a heads split, each device attends its share of the heads over the
   whole sequence, and a second all-to-all trades back. Four all-to-alls a layer whatever N
@@ -39,6 +40,10 @@ from jax.sharding import PartitionSpec as P
 from ptrain.config import choices
 from ptrain.models.layers import MASK_VALUE, attention_mask, causal_attend
 
+RING_QUERY_BLOCK = 512
+"""Queries per score block of a ring step: each step forms [block, chunk] scores at a time,
+not [chunk, chunk], which at a 32k-token chunk would be 4 GiB per head."""
+
 
 def _shard_map(fn, mesh, in_specs, out_specs):
     if hasattr(jax, "shard_map"):
@@ -59,6 +64,8 @@ class ContextParallel:
     batch_axes: tuple[str, ...]
     head_axes: tuple[str, ...]
     mode: str
+    query_block: int = RING_QUERY_BLOCK
+    """Ring mode: queries per score block (the largest divisor of the chunk up to this)."""
 
     @property
     def size(self) -> int:
@@ -81,8 +88,10 @@ class ContextParallel:
         the result of `causal_attend` with `attention_mask(segment_ids_BxL, window)`."""
         heads = P(self.batch_axes or None, self.axis, self.head_axes or None, None)
         rows = P(self.batch_axes or None, self.axis)
-        local = _ring_local if self.mode == "ring" else _all_to_all_local
-        fn = partial(local, axis=self.axis, n=self.size, window=window)
+        if self.mode == "ring":
+            fn = partial(_ring_local, axis=self.axis, n=self.size, window=window, query_block=self.query_block)
+        else:
+            fn = partial(_all_to_all_local, axis=self.axis, window=window)
         return _shard_map(fn, self.mesh, (heads, heads, heads, rows), heads)(
             q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL
         )
@@ -124,42 +133,44 @@ def context_parallel_plan(cfg: Any, mesh: jax.sharding.Mesh | None, rules=None) 
 # ------------------------------------------------------------------------------- ring
 
 
-def _to_rows(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh):
-    """Head-major layout: q [B, K, L*G, Dh] scaled by 1/sqrt(Dh) (the G query heads of a kv
-    head as extra rows), k and v [B, K, L, Dh]."""
-    B, L, H, Dh = q_BxLxHxDh.shape
-    K = k_BxLxKxDh.shape[2]
-    q = (q_BxLxHxDh * (1.0 / math.sqrt(Dh))).reshape(B, L, K, H // K, Dh).transpose(0, 2, 1, 3, 4)
-    return q.reshape(B, K, L * (H // K), Dh), k_BxLxKxDh.transpose(0, 2, 1, 3), v_BxLxKxDh.transpose(0, 2, 1, 3)
+def _query_block(chunk: int, most: int) -> int:
+    """The largest divisor of the chunk length that is at most `most`."""
+    return next(b for b in range(min(chunk, most), 0, -1) if chunk % b == 0)
 
 
-def _block_mask(seg_q_BxC, seg_k_BxC, q_chunk, k_chunk, window):
-    """[B, C, C]: query slot q_chunk*C + r may see key slot k_chunk*C + s."""
-    C = seg_q_BxC.shape[1]
-    qs = q_chunk * C + jnp.arange(C)
-    ks = k_chunk * C + jnp.arange(C)
+def _ring_local(q, k, v, seg, *, axis, n, window, query_block):
+    """Per device: q, k, v [B, C, H|K, Dh] and seg [B, C] of chunk `axis_index`. Queries go
+    in blocks of Q rows: [nb, B, K, Q*G, Dh], scaled by 1/sqrt(Dh), the G query heads of a kv
+    head as extra rows; keys and values head-major [B, K, C, Dh]."""
+    B, C, H, Dh = q.shape
+    K = k.shape[2]
+    G, Q = H // K, _query_block(C, query_block)
+    nb = C // Q
+    qb = (
+        (q * (1.0 / math.sqrt(Dh))).reshape(B, nb, Q, K, G, Dh).transpose(1, 0, 3, 2, 4, 5).reshape(nb, B, K, Q * G, Dh)
+    )
+    seg_b = seg.reshape(B, nb, Q).transpose(1, 0, 2)
+    out = _ring(qb, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), seg_b, seg, axis, n, window)
+    return out.reshape(nb, B, K, Q, G, Dh).transpose(1, 0, 3, 2, 4, 5).reshape(B, C, H, Dh)
+
+
+def _block_mask(seg_q_BxQ, seg_k_BxC, q_start, k_start, window):
+    """[B, Q, C]: query slot q_start + r may see key slot k_start + s."""
+    qs = q_start + jnp.arange(seg_q_BxQ.shape[1])
+    ks = k_start + jnp.arange(seg_k_BxC.shape[1])
     allowed = qs[:, None] >= ks[None, :]
     if window is not None:
         allowed = allowed & (qs[:, None] - ks[None, :] < window)
-    return allowed[None] & (seg_q_BxC[:, :, None] == seg_k_BxC[:, None, :])
+    return allowed[None] & (seg_q_BxQ[:, :, None] == seg_k_BxC[:, None, :])
 
 
-def _scores(q_BxKxRxDh, k_BxKxCxDh, mask_BxCxC):
-    """Masked float32 scores [B, K, R, C] (R = C*G rows)."""
+def _scores(q_BxKxRxDh, k_BxKxCxDh, mask_BxQxC):
+    """Masked float32 scores [B, K, R, C] (R = Q*G rows)."""
     B, K, R, _ = q_BxKxRxDh.shape
-    C = k_BxKxCxDh.shape[2]
+    Q, C = mask_BxQxC.shape[1:]
     s = jnp.einsum("bkrd,bksd->bkrs", q_BxKxRxDh, k_BxKxCxDh, preferred_element_type=jnp.float32)
-    s = s.reshape(B, K, C, R // C, C)
-    return jnp.where(mask_BxCxC[:, None, :, None, :], s, MASK_VALUE).reshape(B, K, R, C)
-
-
-def _ring_local(q, k, v, seg, *, axis, n, window):
-    """Per device: q, k, v [B, C, H|K, Dh] and seg [B, C] of chunk `axis_index`."""
-    B, C, H, Dh = q.shape
-    rows, kh, vh = _to_rows(q, k, v)
-    out = _ring(rows, kh, vh, seg, axis, n, window)
-    K = kh.shape[1]
-    return out.reshape(B, K, C, H // K, Dh).transpose(0, 2, 1, 3, 4).reshape(B, C, H, Dh)
+    s = s.reshape(B, K, Q, R // Q, C)
+    return jnp.where(mask_BxQxC[:, None, :, None, :], s, MASK_VALUE).reshape(B, K, R, C)
 
 
 def _pass_on(xs, axis, n):
@@ -167,44 +178,59 @@ def _pass_on(xs, axis, n):
     return jax.lax.ppermute(xs, axis, [(i, (i + 1) % n) for i in range(n)])
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _ring(q, k, v, seg, axis, n, window):
-    return _ring_fwd(q, k, v, seg, axis, n, window)[0]
+def _starts(c, t, n, nb, Q):
+    """Global slots of the first query of each block, and of the first key of the chunk held
+    at ring step t."""
+    C = nb * Q
+    return c * C + jnp.arange(nb) * Q, ((c - t) % n) * C
 
 
-def _ring_fwd(q, k, v, seg, axis, n, window):
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _ring(q, k, v, seg_q, seg_k, axis, n, window):
+    return _ring_fwd(q, k, v, seg_q, seg_k, axis, n, window)[0]
+
+
+def _ring_fwd(q, k, v, seg_q, seg_k, axis, n, window):
     """Online softmax over the ring: step t attends to chunk (c - t) mod N, which is causally
     visible only when t <= c; the diagonal step comes first, and as every row sees its own
-    slot there, the running max is finite from then on and masked blocks add exactly 0."""
+    slot there, the running max is finite from then on and masked blocks add exactly 0. Each
+    step walks the query blocks (lax.map), so one [Q*G, C] score block lives at a time."""
     c = jax.lax.axis_index(axis)
+    nb, Q = seg_q.shape[0], seg_q.shape[2]
 
     def update(carry, kv):
-        m, l, o = carry
         k_t, v_t, seg_t, t = kv
-        s = _scores(q, k_t, _block_mask(seg, seg_t, c, (c - t) % n, window))
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
-        p = jnp.exp(s - m_new)
-        scale = jnp.exp(m - m_new)
-        o = o * scale + jnp.einsum("bkrs,bksd->bkrd", p.astype(v_t.dtype), v_t, preferred_element_type=jnp.float32)
-        return m_new, l * scale + jnp.sum(p, axis=-1, keepdims=True), o
+        q_starts, k_start = _starts(c, t, n, nb, Q)
+
+        def one(block):
+            q_b, seg_b, q_start, m, l, o = block
+            s = _scores(q_b, k_t, _block_mask(seg_b, seg_t, q_start, k_start, window))
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
+            p = jnp.exp(s - m_new)
+            scale = jnp.exp(m - m_new)
+            pv = jnp.einsum("bkrs,bksd->bkrd", p.astype(v_t.dtype), v_t, preferred_element_type=jnp.float32)
+            return m_new, l * scale + jnp.sum(p, axis=-1, keepdims=True), o * scale + pv
+
+        return jax.lax.map(one, (q, seg_q, q_starts, *carry))
 
     zero = jnp.zeros_like(q[..., :1], dtype=jnp.float32)
-    carry = update((zero + MASK_VALUE, zero, jnp.zeros_like(q, dtype=jnp.float32)), (k, v, seg, 0))
-    k_t, v_t, seg_t = k, v, seg
+    carry = update((zero + MASK_VALUE, zero, jnp.zeros_like(q, dtype=jnp.float32)), (k, v, seg_k, 0))
+    k_t, v_t, seg_t = k, v, seg_k
     for t in range(1, n):
         k_t, v_t, seg_t = _pass_on((k_t, v_t, seg_t), axis, n)
         carry = jax.lax.cond(c >= t, update, lambda cr, _: cr, carry, (k_t, v_t, seg_t, t))
     m, l, o = carry
     out = (o / l).astype(q.dtype)
-    return out, (q, k, v, seg, out, m + jnp.log(l))
+    return out, (q, k, v, seg_q, seg_k, out, m + jnp.log(l))
 
 
 def _ring_bwd(axis, n, window, residuals, dout):
     """Flash-style backward over a second ring: with p = exp(s - lse) and
     delta = rowsum(dO * O): dS = p (dO V^T - delta), dQ = dS K, dK = dS^T Q, dV = p^T dO.
     dK and dV of a chunk ride with it round the ring, and one last hop takes them home."""
-    q, k, v, seg, out, lse = residuals
+    q, k, v, seg_q, seg_k, out, lse = residuals
     c = jax.lax.axis_index(axis)
+    nb, Q = seg_q.shape[0], seg_q.shape[2]
     do = dout.astype(jnp.float32)
     delta = jnp.sum(do * out.astype(jnp.float32), axis=-1, keepdims=True)
     do = do.astype(v.dtype)
@@ -212,28 +238,31 @@ def _ring_bwd(axis, n, window, residuals, dout):
     def grads(acc, kv):
         dq, dk, dv = acc
         k_t, v_t, seg_t, t = kv
-        p = jnp.exp(_scores(q, k_t, _block_mask(seg, seg_t, c, (c - t) % n, window)) - lse)
-        dp = jnp.einsum("bkrd,bksd->bkrs", do, v_t, preferred_element_type=jnp.float32)
-        ds = (p * (dp - delta)).astype(q.dtype)
-        dq = dq + jnp.einsum("bkrs,bksd->bkrd", ds, k_t, preferred_element_type=jnp.float32)
-        dk = dk + jnp.einsum("bkrs,bkrd->bksd", ds, q, preferred_element_type=jnp.float32)
-        dv = dv + jnp.einsum("bkrs,bkrd->bksd", p.astype(do.dtype), do, preferred_element_type=jnp.float32)
+        q_starts, k_start = _starts(c, t, n, nb, Q)
+
+        def one(dkv, block):
+            q_b, do_b, delta_b, lse_b, seg_b, q_start, dq_b = block
+            p = jnp.exp(_scores(q_b, k_t, _block_mask(seg_b, seg_t, q_start, k_start, window)) - lse_b)
+            dp = jnp.einsum("bkrd,bksd->bkrs", do_b, v_t, preferred_element_type=jnp.float32)
+            ds = (p * (dp - delta_b)).astype(q_b.dtype)
+            dq_b = dq_b + jnp.einsum("bkrs,bksd->bkrd", ds, k_t, preferred_element_type=jnp.float32)
+            dk_t = dkv[0] + jnp.einsum("bkrs,bkrd->bksd", ds, q_b, preferred_element_type=jnp.float32)
+            dv_t = dkv[1] + jnp.einsum(
+                "bkrs,bkrd->bksd", p.astype(do_b.dtype), do_b, preferred_element_type=jnp.float32
+            )
+            return (dk_t, dv_t), dq_b
+
+        (dk, dv), dq = jax.lax.scan(one, (dk, dv), (q, do, delta, lse, seg_q, q_starts, dq))
         return dq, dk, dv
 
-    dq, dk, dv = grads(
-        (
-            jnp.zeros_like(q, dtype=jnp.float32),
-            jnp.zeros_like(k, dtype=jnp.float32),
-            jnp.zeros_like(v, dtype=jnp.float32),
-        ),
-        (k, v, seg, 0),
-    )
-    k_t, v_t, seg_t = k, v, seg
+    zeros = (jnp.zeros_like(x, dtype=jnp.float32) for x in (q, k, v))
+    dq, dk, dv = grads(tuple(zeros), (k, v, seg_k, 0))
+    k_t, v_t, seg_t = k, v, seg_k
     for t in range(1, n):
         k_t, v_t, seg_t, dk, dv = _pass_on((k_t, v_t, seg_t, dk, dv), axis, n)
         dq, dk, dv = jax.lax.cond(c >= t, grads, lambda acc, _: acc, (dq, dk, dv), (k_t, v_t, seg_t, t))
     dk, dv = _pass_on((dk, dv), axis, n)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -242,11 +271,10 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 # ------------------------------------------------------------------------- all-to-all
 
 
-def _all_to_all_local(q, k, v, seg, *, axis, n, window):
+def _all_to_all_local(q, k, v, seg, *, axis, window):
     """Per device: trade the sequence split for a heads split, attend, trade back. Query
     heads and kv heads split into the same N contiguous groups, so each device's query
     heads find their kv heads on the same device."""
-    del n
     to_heads = partial(jax.lax.all_to_all, axis_name=axis, split_axis=2, concat_axis=1, tiled=True)
     seg_all = jax.lax.all_gather(seg, axis, axis=1, tiled=True)
     out = causal_attend(to_heads(q), to_heads(k), to_heads(v), attention_mask(seg_all, window), window)

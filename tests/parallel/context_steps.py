@@ -100,8 +100,8 @@ def check(name: str, cfg, folder: str, meshes: dict, devices) -> dict:
 
 def attention_alone(devices) -> dict:
     """ContextParallel.attend against causal_attend on one device: the outputs, and the
-    gradients of q, k, v of sum(sin(out)), for both modes, with and without a sliding window
-    (worst absolute differences)."""
+    gradients of q, k, v of sum(sin(out)), for both modes (the ring also with its chunks of 8
+    queries in blocks of 4), with and without a sliding window (worst absolute differences)."""
     import jax.numpy as jnp
 
     from ptrain.models.context_parallel import ContextParallel
@@ -112,9 +112,9 @@ def attention_alone(devices) -> dict:
     q, k, v = (jnp.asarray(rng.normal(size=(4, LENGTH, h, 16)), jnp.float32) for h in (8, 4, 4))
     seg = jnp.asarray(packed_batch(3)["segment_ids"])
     out = {}
-    for mode in ("ring", "all_to_all"):
+    for mode, query_block in (("ring", 512), ("ring", 4), ("all_to_all", 512)):
         for window in (None, 6):
-            plan = ContextParallel(mesh, "context", ("data",), (), mode)
+            plan = ContextParallel(mesh, "context", ("data",), (), mode, query_block)
 
             def split(q, k, v, plan=plan, window=window):
                 return jnp.sum(jnp.sin(plan.attend(q, k, v, seg, window)))
@@ -130,7 +130,7 @@ def attention_alone(devices) -> dict:
             )
             diffs = [float(jnp.max(jnp.abs(outs[0] - outs[1])))]
             diffs += [float(jnp.max(jnp.abs(x - y))) for x, y in zip(a[1], b[1])]
-            out[f"{mode}_window{window}"] = diffs
+            out[f"{mode}_q{query_block}_window{window}"] = diffs
     return out
 
 
