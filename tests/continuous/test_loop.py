@@ -1,7 +1,7 @@
 """The continuous loop end to end at smoke scale, as a user drives it: the Python API and the
 CLI over one run folder, environments dropped into the inbox, a running `python -m
 ptrain.serve` that gets each promoted model, a promotion, a rejection, an idle re-launch, a
-rollback, and a `kill -9` in the middle of a round."""
+rollback, and a SIGTERM and a `kill -9` in the middle of a round."""
 
 from __future__ import annotations
 
@@ -132,24 +132,42 @@ def test_promotion_rejection_idle_relaunch_and_rollback(loop_run, tmp_path):
         server.proc.wait(timeout=60)
 
 
-def test_kill_9_mid_round_resumes_the_round(tmp_path):
+def wait_for_checkpoint(proc, ckpt: str, step: int, log) -> None:
+    deadline = time.monotonic() + 600
+    while not (os.path.isdir(ckpt) and any(d.isdigit() and int(d) >= step for d in os.listdir(ckpt))):
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"no checkpoint of step {step}"
+        time.sleep(0.2)
+
+
+def test_sigterm_and_kill_9_mid_round_each_resume_the_round(tmp_path):
     inbox, run_dir = tmp_path / "inbox", str(tmp_path / "R")
     inbox.mkdir()
     (inbox / "subtraction.yaml").write_text(SUBTRACTION)
     cmd = [sys.executable, "-m", "ptrain", "recipe=continuous", *SMOKE, f"continuous.inbox={inbox}",
            f"run_dir={run_dir}", "continuous.until_idle=true", "continuous.improve=none", "train.steps=6"]  # fmt: skip
-    log = open(tmp_path / "first.log", "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     ckpt = os.path.join(run_dir, "rounds", "1", "stages", "grpo", "checkpoints")
-    deadline = time.monotonic() + 600
-    while not (os.path.isdir(ckpt) and any(d.isdigit() and int(d) >= 2 for d in os.listdir(ckpt))):
-        assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
-        assert time.monotonic() < deadline, "round 1 never checkpointed"
-        time.sleep(0.2)
-    proc.kill()  # SIGKILL: no handler runs
+
+    def undecided() -> None:
+        state = ledger.load_state(run_dir)
+        assert state["current"]["round"] == 1
+        assert not os.path.isfile(os.path.join(run_dir, "rounds", "1", "decision.json"))
+
+    # SIGTERM: the loop leaves at once, cleanly, and says how to resume
+    log = tmp_path / "first.log"
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    wait_for_checkpoint(proc, ckpt, 2, log)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
+    assert "stopped; launch the same command again to resume" in log.read_text()
+    undecided()
+    # kill -9 in the resumed round: no handler runs
+    log = tmp_path / "second.log"
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    wait_for_checkpoint(proc, ckpt, 4, log)
+    proc.kill()
     proc.wait()
-    state = ledger.load_state(run_dir)
-    assert state["current"]["round"] == 1 and not os.path.isfile(os.path.join(run_dir, "rounds", "1", "decision.json"))
+    undecided()
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resum" in out.stdout + out.stderr  # the GRPO stage picked up its checkpoint
