@@ -39,8 +39,8 @@ tests/tools/test_plan.py):
   context split) ptrain's blocked attention keeps the float32 probabilities of the causal
   triangle for its hand-written backward, which holds as much again, so n_heads x seq_len x
   4 bytes per token, quadratic in the length. With mesh.context > 1 the ring attention keeps
-  no scores; it builds one chunk-by-chunk score block per head at a time (a transient of one
-  layer). Outside the layers: the vocabulary chunk's float32 logits (train.vocab_chunk).
+  no scores; it builds one [query block x chunk] score block per head at a time (a transient
+  of one layer; ptrain.models.context_parallel.RING_QUERY_BLOCK queries). Outside the layers: the vocabulary chunk's float32 logits (train.vocab_chunk).
 - rematerialisation (model.remat): full keeps only each block's input plus one block's
   activations while it is recomputed; dots keeps the matmul outputs (q, k, v, attention
   projection, gate, up, down); attention keeps the attention output. XLA:CPU does not lower
@@ -370,8 +370,11 @@ def activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, shards: Shards
     saved = sum(k for _, k in layers)
     # rematerialised: one block's full activations live again while its backward runs
     recompute = max(f for f, _ in layers) if cfg.remat != "none" and remat_lowers_peak else 0.0
-    # ring attention: one score block (queries of this chunk x keys of one chunk) per head
-    ring = (tokens / seq_len) * (H / t) * L_local * L_local * 4 if shards.context > 1 else 0.0
+    # ring attention: one score block (a block of this chunk's queries x one chunk's keys) per head
+    from ptrain.models.context_parallel import RING_QUERY_BLOCK
+
+    rows = min(L_local, RING_QUERY_BLOCK)
+    ring = (tokens / seq_len) * (H / t) * rows * L_local * 4 if shards.context > 1 else 0.0
     chunk = min(cfg.vocab_size, vocab_chunk or cfg.vocab_size)
     outside = T * 4 * chunk / t
     return saved + recompute + ring + outside
