@@ -267,22 +267,43 @@ def check_processes(run: RunConfig, processes: int, where: str = "") -> None:
         return
     stage, t, dpo = run.stage, run.train, run.algo.dpo
     many = f"with {processes} processes (distributed.num_processes)"
-    if stage.kind in ("grpo", "eval"):
-        # Every process would run its own sampling loop: with rollout=local each its own engine
-        # inside one process, with rollout=sglang each its own requests to the fleet, whose
-        # samples need not agree between processes; the global batch would not be one batch.
-        engine = (
-            "rollout=local samples with the embedded engine, which runs inside one process"
-            if run.rollout.kind == "local"
-            else "each process would send its own requests to the fleet and get other samples"
-        )
+    if stage.kind == "eval":
         _check(
             False,
+            "distributed.num_processes",
+            f"an eval stage does not run {many} yet: it samples and scores without training, which one process "
+            "does as well; run it as one process (distributed.num_processes=1)",
+            where,
+        )
+    if stage.kind == "grpo":
+        g = run.algo.grpo
+        _check(
+            run.rollout.kind == "sglang",
             "rollout.kind",
-            f"a {stage.kind} stage does not run {many} yet: {engine}. The multi-process path for sampling "
-            "stages is rollout=sglang (the fleet serves outside the trainer's job) with the rollouts collected "
-            "once and shared by the processes, which is not built yet; run this stage as one process (one host, "
-            "its devices all in the mesh)",
+            f"a grpo stage {many} samples from a fleet: rollout=local's embedded engine runs inside one process; "
+            "pass rollout=sglang with the fleet's rollout.router_url or rollout.urls (tools/launch_fleet.py starts "
+            "one), or run the stage as one process",
+            where,
+        )
+        _check(
+            g.mode == "sync",
+            "algo.grpo.mode",
+            f"a grpo stage {many} runs in sync mode (process 0 collects each rollout batch, then every process "
+            "trains on it); async collection across processes is not built: pass algo.grpo.mode=sync",
+            where,
+        )
+        _check(
+            not run.model.lora.enabled,
+            "model.lora.rank",
+            f"a LoRA grpo stage pushes its adapters to the fleet from one process's copy; {many} train it in full "
+            "(model.lora.rank=0) or as one process",
+            where,
+        )
+        _check(
+            t.eval_generate == 0,
+            "train.eval_generate",
+            f"the held-out evaluation of a grpo stage {many} is not built; pass train.eval_generate=0 and evaluate "
+            "the export in a one-process eval stage",
             where,
         )
     if stage.kind == "dpo":

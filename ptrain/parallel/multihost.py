@@ -75,6 +75,23 @@ def primary_first(fn: Callable[[], T], name: str) -> T:
     return fn()
 
 
+def broadcast_from_primary(value: T) -> T:
+    """Process 0's `value` (any picklable object) on every process; a collective that every
+    process calls in the same order. For what one process computes for all: the GRPO stage's
+    rollout batch, sampled from the fleet once, trained on by every process."""
+    if jax.process_count() == 1:
+        return value
+    import pickle
+
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(pickle.dumps(value), np.uint8) if is_primary() else np.zeros(0, np.uint8)
+    size = int(multihost_utils.broadcast_one_to_all(np.array([data.size], np.int64))[0])
+    if not is_primary():
+        data = np.zeros(size, np.uint8)
+    return pickle.loads(np.asarray(multihost_utils.broadcast_one_to_all(data)).tobytes())
+
+
 def put_global_batch(batch, sharding):
     """A global batch (a pytree of numpy arrays, the same on every process) on the mesh, each
     process copying only its own devices' rows. With one process, plain `jax.device_put`.

@@ -6,7 +6,8 @@
 The new params are exported to `<weight_dir>/v<version>/` (bf16 or fp32 safetensors,
 manifest, atomic rename: `ptrain.rollout.weight_sync`), every worker in service loads it with
 /update_weights_from_disk at once (mode drain, abort, or pause = pause in place, update,
-continue), and must report the version in /model_info; one that fails after
+continue), and must report the version in /model_info (a trainer of several JAX processes
+exports from every process and pushes from process 0); one that fails after
 `weight_push_retries` is taken out until it is brought to the version (FleetHealth does that
 before it serves again, from the target this push sets). Old versions beyond
 `keep_weight_versions` are deleted. A worker that refuses the folder (HTTP 400: another model)
@@ -95,6 +96,13 @@ class FleetPush:
             writers=cfg.export_writers, extra_config=self.extra_config, checksums=cfg.weight_checksums,
         )  # fmt: skip
         t1 = time.perf_counter()
+        import jax
+
+        if jax.process_index() > 0:
+            # Several trainer processes: each wrote its share of the export above; process 0
+            # alone tells the workers and prunes old versions.
+            s.weight_version, self.updates = version, self.updates + 1
+            return version
         timeout = (cfg.weight_push_timeout_s + 1) * (cfg.weight_push_retries + 2) + cfg.unhealthy_timeout_s
         outcomes = s.call_in_loop(self._push(export.path, version, push_mode), timeout=timeout)
         t2 = time.perf_counter()

@@ -102,16 +102,18 @@ def test_compose_refuses_them_before_any_compute(monkeypatch):
         compose("sft_arithmetic", ["train.eval_generate=0"])
 
 
+STAGES = "stages=[{name: sft, kind: sft}, {name: grpo, kind: grpo}]"  # no eval stage (one process only)
+FLEET = ["train.eval_generate=0", "rollout=sglang", "rollout.urls=[http://h:1]", STAGES]
+
+
 @pytest.mark.parametrize(
     "recipe, overrides, key",
     [
         ("sft_arithmetic", [], "train.eval_generate"),  # the exact-match evaluation samples in one process
-        ("sft_grpo_arithmetic", ["train.eval_generate=0"], "rollout.kind"),
-        (
-            "sft_grpo_arithmetic",
-            ["train.eval_generate=0", "rollout=sglang", "rollout.urls=[http://h:1]"],
-            "rollout.kind",
-        ),  # fmt: skip
+        ("sft_grpo_arithmetic", ["train.eval_generate=0", STAGES], "rollout.kind"),  # the embedded engine
+        ("sft_grpo_arithmetic", [*FLEET, "algo.grpo.mode=async"], "algo.grpo.mode"),
+        ("sft_grpo_arithmetic", [*FLEET, "model.lora.rank=4"], "model.lora.rank"),
+        ("sft_grpo_arithmetic", [*FLEET[1:], "train.eval_generate=4"], "train.eval_generate"),
         ("sft_dpo_arithmetic", ["train.eval_generate=0"], "algo.dpo.policy_pairs"),
     ],
 )
@@ -124,6 +126,15 @@ def test_what_does_not_run_as_several_processes_yet_is_refused(monkeypatch, reci
     if key == "rollout.kind":
         assert "rollout=sglang" in str(e.value) and "one process" in str(e.value)
     compose(recipe, overrides + ["distributed.num_processes=1"])  # the same as one process is fine
+
+
+def test_sync_grpo_from_a_fleet_composes_as_several_processes(monkeypatch):
+    for var, value in RANKS.items():
+        monkeypatch.setenv(var, value)
+    run = compose("sft_grpo_arithmetic", FLEET)
+    assert [s.kind for s in run.stages] == ["sft", "grpo"] and run.rollout.kind == "sglang"
+    with pytest.raises(ConfigError, match="config key 'distributed.num_processes': an eval stage"):
+        compose("sft_grpo_arithmetic", FLEET[:-1])  # the recipe's eval stage
 
 
 def test_sft_and_dpo_from_data_compose_as_several_processes(monkeypatch):

@@ -21,6 +21,10 @@ Modes (`algo.grpo.mode`):
 
 The driver stays thin: the rollout side is `RolloutBatches` (the loop's Batches protocol:
 its after-step hook pushes weights), the update side `Algorithm` (objective, denominator).
+
+As several JAX processes (sync mode, sampling from a fleet): process 0 collects and scores
+each rollout batch and broadcasts its rows; every process trains on them, and writes its
+share of each weight version, which process 0 then pushes (ptrain.rollout.fleet_push).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import numpy as np
 from ptrain.config import RunConfig
 from ptrain.config.cost import cpu_cores
 from ptrain.config.grpo import staleness_bound
+from ptrain.parallel.multihost import broadcast_from_primary, is_primary
 from ptrain.rollout.protocol import EngineUnavailable, SamplingParams
 from ptrain.stages.env_metrics import is_correct
 from ptrain.stages.grpo.batch import measured_advantages, policy_batch
@@ -214,17 +219,32 @@ class RolloutBatches:
         return self.collector.collect(n, version=self.version)
 
     def _rollout(self) -> None:
-        before = self.collector.get_state()
-        try:
-            self._rollout_batch()
-        except EngineUnavailable:
-            # Put the task order back where it was, so that a checkpoint saved now resumes
-            # with the same tasks (in async mode unfinished groups are in the state anyway).
-            if self.cfg.mode == "sync":
-                self.collector.set_state(before)
-            raise
+        """One rollout batch into the queue. As several JAX processes, process 0 samples and
+        scores it (the fleet serves it once) and every process gets the same rows and metrics,
+        or the same EngineUnavailable, so that they stop or train in lockstep."""
+        sampled = error = None
+        if is_primary():
+            before = self.collector.get_state()
+            try:
+                sampled = self._rollout_batch()
+            except EngineUnavailable as e:
+                # Put the task order back where it was, so that a checkpoint saved now resumes
+                # with the same tasks (in async mode unfinished groups are in the state anyway).
+                if self.cfg.mode == "sync":
+                    self.collector.set_state(before)
+                if jax.process_count() == 1:
+                    raise
+                error = str(e)
+        sampled, error = broadcast_from_primary((sampled, error))
+        if error is not None:
+            raise EngineUnavailable(error)
+        batch, self.next_metrics = sampled
+        if self.cfg.epochs > 1 or self.cfg.mini_batches > 1:
+            batch["old_logp"] = np.asarray(self._old_logp(self.state.model_params(), self.state.model_state, batch))
+        self._split(batch)
 
-    def _rollout_batch(self) -> None:
+    def _rollout_batch(self) -> tuple[dict, dict]:
+        """Sample and score one rollout batch: (its policy rows, its metrics)."""
         cfg = self.cfg
         t0 = time.time()
         stats0 = dict(self.collector.stats)
@@ -269,16 +289,13 @@ class RolloutBatches:
             trajectories, flat_adv, rows=self.rows, seq_len=self.stage.run.train.seq_len,
             mask_truncated=cfg.overlong_filter,
         )  # fmt: skip
-        if cfg.epochs > 1 or cfg.mini_batches > 1:
-            batch["old_logp"] = np.asarray(self._old_logp(self.state.model_params(), self.state.model_state, batch))
-        self._split(batch)
         if self.collector.audit is not None:
             self.collector.audit.write(
                 {"record": "train_batch", "version": self.version, "groups": [g.index for g in groups],
                  "tasks": [g.task.id for g in groups], "group_versions": [g.version for g in groups]}
             )  # fmt: skip
-        self.next_metrics = self._metrics(groups, trajectories, rewards, adv_aux, counts, seen, dropped_zero_std,
-                                          stats0, t_gen)  # fmt: skip
+        metrics = self._metrics(groups, trajectories, rewards, adv_aux, counts, seen, dropped_zero_std, stats0, t_gen)
+        return batch, metrics
 
     def _split(self, batch: dict) -> None:
         cfg = self.cfg

@@ -1,0 +1,78 @@
+"""A GRPO stage sampling from a `python -m ptrain.serve` worker, as 2 JAX processes x 4 CPU
+devices against 1 process x 8: process 0 collects each rollout batch from the fleet and every
+process trains on it, so the losses agree; the 2-process run pushes every weight version
+(each process writes its share of the export, process 0 tells the worker)."""
+
+import dataclasses
+import json
+import os
+
+import pytest
+from flax import nnx
+
+from ptrain.config.model import ModelConfig
+from ptrain.data.tokenizer import get_tokenizer
+from ptrain.models import Decoder, save_hf
+from tests.multiprocess.test_training import assert_same_run, records, run
+from tests.rollout.test_serve_process import start_server
+
+pytestmark = pytest.mark.multiprocess
+
+MODEL = ModelConfig(family="qwen3", vocab_size=0, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16,
+                    d_ff=48, max_seq_len=256)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    """A tiny model folder, and one ptrain.serve worker started on it (the trainer starts
+    from the same folder and pushes its own weights before the first rollout)."""
+    tmp = tmp_path_factory.mktemp("fleet")
+    tok = get_tokenizer(None, str(tmp / "tokenizer"), vocab_size=300)
+    folder = str(tmp / "model")
+    save_hf(Decoder(dataclasses.replace(MODEL, vocab_size=len(tok)), rngs=nnx.Rngs(0)), folder, tokenizer=tok)
+    srv = start_server(folder, str(tmp / "server.log"))
+    yield folder, srv
+    srv.proc.terminate()
+    srv.proc.wait(timeout=60)
+
+
+def srv_model_info(url: str) -> dict:
+    import httpx
+
+    return httpx.get(url + "/model_info", timeout=10).json()
+
+
+def grpo_args(folder: str, url: str, run_dir) -> list[str]:
+    """A short SFT (its samples start to end before max_new_tokens), then GRPO from its export
+    on the fleet, with DAPO's overlong penalty over most of the length, so that samples of other
+    lengths get other rewards and groups have an advantage."""
+    return [
+        "recipe=sft_grpo_arithmetic", f"model.hf_path={folder}",
+        "stages=[{name: sft, kind: sft, train: {steps: 30, global_batch_size: 16}}, {name: grpo, kind: grpo}]",
+        "optim.lr=3e-3", "optim.schedule=constant", "optim.warmup_steps=0", "envs.arithmetic.options.format_reward=0.5",
+        "rollout=sglang", f"rollout.urls=[{url}]", f"rollout.weight_dir={run_dir}/weights",
+        "algo.grpo.prompts_per_step=4", "algo.grpo.group_size=4", "algo.grpo.max_new_tokens=24",
+        "algo.grpo.overlong_buffer=20", "algo.grpo.overlong_penalty=1.0",
+        "train.steps=2", "train.seq_len=96", "train.grad_accum=1", "train.eval_every=2", "train.eval_generate=0",
+        "checkpoint.every_steps=2", "checkpoint.async_save=false", "data.generated.n_train=32",
+        "data.generated.n_eval=4", "logging.console=false", "logging.tensorboard=false", f"run_dir={run_dir}",
+    ]  # fmt: skip
+
+
+def test_two_processes_run_grpo_from_a_fleet_to_the_losses_of_one(worker, tmp_path):
+    folder, srv = worker
+    one, two = tmp_path / "one", tmp_path / "two"
+    run(1, grpo_args(folder, srv.url, one))
+    out = run(2, grpo_args(folder, srv.url, two))
+    assert_same_run(two, one, stages=("grpo",), keys=("train/loss", "train/grad_norm", "train/reward/mean"))
+    rewards = [r["train/reward/std"] for r in records(one / "stages" / "grpo") if "train/reward/std" in r]
+    assert max(rewards) > 0, rewards  # some group had an advantage: the losses compared are not all zero
+    for rank in (0, 1):
+        assert f"[rank {rank}] ptrain: stage 2/2 'grpo'" in out.stdout
+    done = json.loads((two / "stages" / "grpo" / "DONE.json").read_text())
+    assert done["steps"] == 2
+    (folder,) = (two / "weights").iterdir()  # <weight_dir>/<run>-<stage>-<hash>/v<step>
+    assert sorted(os.listdir(folder)) == ["v1", "v2"]  # written by both processes, pushed by process 0
+    assert (folder / "v2" / "manifest.json").is_file()
+    info = srv_model_info(srv.url)
+    assert info["weight_version"] == "2", info  # the worker serves the last version the 2-process run pushed
