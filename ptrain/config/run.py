@@ -267,24 +267,17 @@ def check_processes(run: RunConfig, processes: int, where: str = "") -> None:
         return
     stage, t, dpo = run.stage, run.train, run.algo.dpo
     many = f"with {processes} processes (distributed.num_processes)"
-    if stage.kind == "eval":
+    if stage.kind in ("grpo", "eval"):
         _check(
-            False,
-            "distributed.num_processes",
-            f"an eval stage does not run {many} yet: it samples and scores without training, which one process "
-            "does as well; run it as one process (distributed.num_processes=1)",
+            run.rollout.kind == "sglang",
+            "rollout.kind",
+            f"a {stage.kind} stage {many} samples from a fleet: rollout=local's embedded engine runs inside one "
+            "process; pass rollout=sglang with the fleet's rollout.router_url or rollout.urls "
+            "(tools/launch_fleet.py starts one), or run the stage as one process",
             where,
         )
     if stage.kind == "grpo":
         g = run.algo.grpo
-        _check(
-            run.rollout.kind == "sglang",
-            "rollout.kind",
-            f"a grpo stage {many} samples from a fleet: rollout=local's embedded engine runs inside one process; "
-            "pass rollout=sglang with the fleet's rollout.router_url or rollout.urls (tools/launch_fleet.py starts "
-            "one), or run the stage as one process",
-            where,
-        )
         _check(
             g.mode == "sync",
             "algo.grpo.mode",

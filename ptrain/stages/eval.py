@@ -13,6 +13,8 @@ With `algo.eval.lm_eval.tasks` set, the stage also runs those lm-evaluation-harn
 against its engine, served in process on a loopback port with ptrain.serve's routes
 (`ptrain.serve.lm_harness`); their metrics join the stage's as `eval/lm_eval/<task>/<metric>`,
 and lm-eval's results go to lm_eval.json.
+
+As several JAX processes (sampling from a fleet), process 0 evaluates and the others wait.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import os
 import time
 
 from ptrain.config import ConfigError, RunConfig
+from ptrain.parallel.multihost import barrier, broadcast_from_primary, is_primary
 from ptrain.stages.loop import StageStopped
 from ptrain.stages.setup import ensure_base_model, load_model, stage_mesh, tokenizer_for
 
@@ -29,14 +32,13 @@ def run_eval_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
     """Evaluate the model at init_path (None: the embedded one) on the stage's environments."""
     import dataclasses
 
-    from ptrain.checkpoint import mark_done, write_json_atomic
+    from ptrain.checkpoint import mark_done
     from ptrain.config.seeds import component_seed
     from ptrain.envs.audit import AuditLog
     from ptrain.envs.registry import close_envs, make_env
     from ptrain.metrics import MetricsLogger
     from ptrain.rollout.engines import make_engine
     from ptrain.rollout.protocol import EngineUnavailable
-    from ptrain.stages.env_metrics import evaluate_envs
     from ptrain.train.state import split_model
 
     t_start = time.time()
@@ -68,7 +70,6 @@ def run_eval_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
     model_dir = init_path or ensure_base_model(run, tokenizer)
     model = load_model(run, model_dir, mesh, tokenizer)
     envs = {e.env_name: make_env(e, tokenizer=tokenizer, sandbox=run.sandbox) for e in configs}
-    cfg = run.algo.eval
     # The whole context the model was built for (an evaluation has no train.seq_len to fit).
     run = dataclasses.replace(
         run,
@@ -77,25 +78,26 @@ def run_eval_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
     model_def, params, model_state = split_model(model)
     engine = make_engine(run, model_def, params, model_state, mesh=mesh, tokenizer=tokenizer,
                          seed=component_seed(run, "train.seed"), stage_dir=stage_dir)  # fmt: skip
-    logger = MetricsLogger(run.logging, stage_dir, total_steps=1, start_step=0, name=f"eval {stage.name}")
-    audit = AuditLog(os.path.join(stage_dir, "audit.jsonl"))
+    # As several JAX processes (from a fleet): every process exports its share of the weights,
+    # process 0 samples, scores and writes, and the others get its metrics.
+    primary = is_primary()
+    sinks = run.logging if primary else dataclasses.replace(run.logging, console=False, jsonl=False, tensorboard=False)
+    logger = MetricsLogger(sinks, stage_dir, total_steps=1, start_step=0, name=f"eval {stage.name}")
+    audit = AuditLog(os.path.join(stage_dir, "audit.jsonl")) if primary else None
     try:
         # A fleet gets these weights now (the local engine has them already).
         if run.rollout.kind != "local":
             engine.update_weights(params, model_state or None, weight_version="eval", mode="abort")
-        by_task: dict = {}
-        metrics = evaluate_envs(
-            envs, engine, cfg, seed=component_seed(run, "train.seed"), audit=audit, strict=True, by_task=by_task
-        )
-        if cfg.judge_calibration:
-            metrics.update(judge_agreement(envs, engine, cfg.judge_calibration, seed=component_seed(run, "train.seed")))
-        if cfg.lm_eval.tasks:
-            from ptrain.serve.lm_harness import run_lm_eval  # lm-eval is optional: loaded only when asked
-
-            results_path = os.path.join(stage_dir, "lm_eval.json")
-            metrics.update(run_lm_eval(engine, tokenizer, cfg.lm_eval, model_path=model_dir, results_path=results_path))
+        metrics = error = None
+        if primary:
+            try:
+                metrics = _evaluate(run, envs, engine, tokenizer, model_dir, stage_dir, audit)
+            except EngineUnavailable as e:
+                error = str(e)
+        metrics, error = broadcast_from_primary((metrics, error))
+        if error is not None:
+            raise EngineUnavailable(error)
         logger.log(0, metrics, prefix="eval")
-        write_json_atomic(os.path.join(stage_dir, "scores.json"), by_task)
     except EngineUnavailable as e:
         # Nothing to checkpoint: the stage is not marked done, so a re-launch evaluates afresh.
         raise StageStopped(
@@ -105,12 +107,37 @@ def run_eval_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
     finally:
         engine.close()
         close_envs(envs)
-        audit.close()
+        if audit is not None:
+            audit.close()
         logger.close()
     summary = {f"eval/{k}": v for k, v in metrics.items()}
     summary.update(stage=stage.name, model=init_path or "embedded", wall_time_s=round(time.time() - t_start, 1))
-    mark_done(stage_dir, summary)
+    if primary:
+        mark_done(stage_dir, summary)
+    barrier("ptrain:eval-done")  # the others read DONE.json next (pipeline.stage_result)
     return summary
+
+
+def _evaluate(run: RunConfig, envs: dict, engine, tokenizer, model_dir: str, stage_dir: str, audit) -> dict:
+    """The stage's metrics: the environments' held-out tasks, the judge's calibration, and
+    lm-eval's tasks, as algo.eval asks; scores per task to scores.json."""
+    from ptrain.checkpoint import write_json_atomic
+    from ptrain.config.seeds import component_seed
+    from ptrain.stages.env_metrics import evaluate_envs
+
+    cfg = run.algo.eval
+    seed = component_seed(run, "train.seed")
+    by_task: dict = {}
+    metrics = evaluate_envs(envs, engine, cfg, seed=seed, audit=audit, strict=True, by_task=by_task)
+    if cfg.judge_calibration:
+        metrics.update(judge_agreement(envs, engine, cfg.judge_calibration, seed=seed))
+    if cfg.lm_eval.tasks:
+        from ptrain.serve.lm_harness import run_lm_eval  # lm-eval is optional: loaded only when asked
+
+        results_path = os.path.join(stage_dir, "lm_eval.json")
+        metrics.update(run_lm_eval(engine, tokenizer, cfg.lm_eval, model_path=model_dir, results_path=results_path))
+    write_json_atomic(os.path.join(stage_dir, "scores.json"), by_task)
+    return metrics
 
 
 def judge_agreement(envs: dict, engine, path: str, *, seed: int) -> dict[str, float]:

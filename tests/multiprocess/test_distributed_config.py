@@ -102,7 +102,7 @@ def test_compose_refuses_them_before_any_compute(monkeypatch):
         compose("sft_arithmetic", ["train.eval_generate=0"])
 
 
-STAGES = "stages=[{name: sft, kind: sft}, {name: grpo, kind: grpo}]"  # no eval stage (one process only)
+STAGES = "stages=[{name: sft, kind: sft}, {name: grpo, kind: grpo}]"
 FLEET = ["train.eval_generate=0", "rollout=sglang", "rollout.urls=[http://h:1]", STAGES]
 
 
@@ -111,6 +111,7 @@ FLEET = ["train.eval_generate=0", "rollout=sglang", "rollout.urls=[http://h:1]",
     [
         ("sft_arithmetic", [], "train.eval_generate"),  # the exact-match evaluation samples in one process
         ("sft_grpo_arithmetic", ["train.eval_generate=0", STAGES], "rollout.kind"),  # the embedded engine
+        ("eval", [], "rollout.kind"),
         ("sft_grpo_arithmetic", [*FLEET, "algo.grpo.mode=async"], "algo.grpo.mode"),
         ("sft_grpo_arithmetic", [*FLEET, "model.lora.rank=4"], "model.lora.rank"),
         ("sft_grpo_arithmetic", [*FLEET[1:], "train.eval_generate=4"], "train.eval_generate"),
@@ -133,8 +134,8 @@ def test_sync_grpo_from_a_fleet_composes_as_several_processes(monkeypatch):
         monkeypatch.setenv(var, value)
     run = compose("sft_grpo_arithmetic", FLEET)
     assert [s.kind for s in run.stages] == ["sft", "grpo"] and run.rollout.kind == "sglang"
-    with pytest.raises(ConfigError, match="config key 'distributed.num_processes': an eval stage"):
-        compose("sft_grpo_arithmetic", FLEET[:-1])  # the recipe's eval stage
+    run = compose("sft_grpo_arithmetic", FLEET[:-1])  # with the recipe's eval stage: from the fleet too
+    assert [s.kind for s in run.stages] == ["sft", "grpo", "eval"]
 
 
 def test_sft_and_dpo_from_data_compose_as_several_processes(monkeypatch):

@@ -1,7 +1,8 @@
-"""A GRPO stage sampling from a `python -m ptrain.serve` worker, as 2 JAX processes x 4 CPU
-devices against 1 process x 8: process 0 collects each rollout batch from the fleet and every
-process trains on it, so the losses agree; the 2-process run pushes every weight version
-(each process writes its share of the export, process 0 tells the worker)."""
+"""SFT, then a GRPO stage sampling from a `python -m ptrain.serve` worker, then an eval stage
+on it, as 2 JAX processes x 4 CPU devices against 1 process x 8: process 0 collects each
+rollout batch from the fleet and every process trains on it, so the losses agree; the
+2-process run pushes every weight version (each process writes its share of the export,
+process 0 tells the worker); the eval stage samples once, from process 0."""
 
 import dataclasses
 import json
@@ -48,7 +49,9 @@ def grpo_args(folder: str, url: str, run_dir) -> list[str]:
     lengths get other rewards and groups have an advantage."""
     return [
         "recipe=sft_grpo_arithmetic", f"model.hf_path={folder}",
-        "stages=[{name: sft, kind: sft, train: {steps: 30, global_batch_size: 16}}, {name: grpo, kind: grpo}]",
+        "stages=[{name: sft, kind: sft, train: {steps: 30, global_batch_size: 16}}, {name: grpo, kind: grpo}, "
+        "{name: eval, kind: eval}]",
+        "envs.arithmetic.n_eval=4", "algo.eval.samples=2", "algo.eval.max_new_tokens=24", "algo.eval.pass_k=[1,2]",
         "optim.lr=3e-3", "optim.schedule=constant", "optim.warmup_steps=0", "envs.arithmetic.options.format_reward=0.5",
         "rollout=sglang", f"rollout.urls=[{url}]", f"rollout.weight_dir={run_dir}/weights",
         "algo.grpo.prompts_per_step=4", "algo.grpo.group_size=4", "algo.grpo.max_new_tokens=24",
@@ -68,11 +71,15 @@ def test_two_processes_run_grpo_from_a_fleet_to_the_losses_of_one(worker, tmp_pa
     rewards = [r["train/reward/std"] for r in records(one / "stages" / "grpo") if "train/reward/std" in r]
     assert max(rewards) > 0, rewards  # some group had an advantage: the losses compared are not all zero
     for rank in (0, 1):
-        assert f"[rank {rank}] ptrain: stage 2/2 'grpo'" in out.stdout
+        assert f"[rank {rank}] ptrain: stage 2/3 'grpo'" in out.stdout
+    # the eval stage: process 0 samples from the fleet, every process ends with its metrics
+    got, want = (json.loads((d / "stages" / "eval" / "DONE.json").read_text()) for d in (two, one))
+    keys = [k for k in want if k.startswith("eval/")]
+    assert keys and {k: got[k] for k in keys} == pytest.approx({k: want[k] for k in keys}, abs=1e-6)
     done = json.loads((two / "stages" / "grpo" / "DONE.json").read_text())
     assert done["steps"] == 2
-    (folder,) = (two / "weights").iterdir()  # <weight_dir>/<run>-<stage>-<hash>/v<step>
+    (folder,) = (two / "weights").glob("*-grpo-*")  # <weight_dir>/<run>-<stage>-<hash>/v<step>
     assert sorted(os.listdir(folder)) == ["v1", "v2"]  # written by both processes, pushed by process 0
     assert (folder / "v2" / "manifest.json").is_file()
     info = srv_model_info(srv.url)
-    assert info["weight_version"] == "2", info  # the worker serves the last version the 2-process run pushed
+    assert info["weight_version"] == "eval", info  # the worker serves what the 2-process eval stage pushed
