@@ -240,6 +240,7 @@ def main(argv: list[str] | None = None) -> dict:
                 results["sample"][1].append(b)
                 print(f"sample round {r}: in-process {a:.0f} tok/s, server {b:.0f} tok/s ({b / a:.3f})", flush=True)
             local.close()
+            service.close("success").result()
         finally:
             server.terminate()
             try:

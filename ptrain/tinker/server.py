@@ -4,7 +4,8 @@
 
 What the `tinker` SDK and tinker-cookbook's trainers call, under /api/v1/:
   - session plumbing, answered at once: healthz, client/config, client/dynamic_config,
-    create_session, session_heartbeat, telemetry, get_server_capabilities;
+    create_session, session_heartbeat, sessions/{id}/finish (the SDK's close), telemetry,
+    get_server_capabilities;
   - model metadata, answered at once: get_info, create_sampling_session, samplers/{id},
     training_runs[/{id}[/checkpoints]], checkpoints, weights_info;
   - work, answered with a future ({request_id, model_id?, sample_sequence_ids?}) that the
@@ -252,6 +253,16 @@ class TinkerFrontend:
 
     async def heartbeat(self, request: Request) -> Response:
         return JSONResponse({"type": "session_heartbeat"})
+
+    async def finish_session(self, request: Request) -> Response:
+        body = await json_body(request)
+        reason = body.get("reason")
+        kind = reason.get("type") if isinstance(reason, dict) else None
+        if kind not in ("success", "errored", "interrupted"):
+            raise TinkerError(f"reason.type must be success, errored or interrupted, got {kind!r}")
+        detail = body.get("detail")
+        await call(self.service.finish_session, request.path_params["session_id"], kind, detail)
+        return JSONResponse(None)
 
     async def telemetry(self, request: Request) -> Response:
         return JSONResponse({"status": "accepted"})  # the SDK's own diagnostics; nothing here reads them
@@ -696,6 +707,7 @@ def make_app(
         Route(f"{API}/client/dynamic_config", endpoint(f.dynamic_config), methods=["POST"]),
         Route(f"{API}/create_session", endpoint(f.create_session), methods=["POST"]),
         Route(f"{API}/session_heartbeat", endpoint(f.heartbeat), methods=["POST"]),
+        Route(f"{API}/sessions/{{session_id}}/finish", endpoint(f.finish_session), methods=["POST"]),
         Route(f"{API}/telemetry", endpoint(f.telemetry), methods=["POST"]),
         Route(f"{API}/get_server_capabilities", endpoint(f.capabilities), methods=["GET"]),
         Route(f"{API}/create_model", endpoint(f.create_model), methods=["POST"]),

@@ -348,11 +348,27 @@ class TinkerService:
             raise TinkerError(f"unknown model_id '{model_id}'; create_model returns the ids this server knows", 404)
         return model
 
-    def _check_session(self, session_id: str) -> None:
+    def finish_session(self, session_id: str, reason: str, detail: str | None = None) -> None:
+        """The SDK's ServiceClient.close: the session ends with `reason` (the first one given
+        stays); later calls naming it are refused."""
+        self._check_known(session_id)
+        with self._lock:
+            self.sessions[session_id].setdefault("finished", {"reason": reason, "detail": detail})
+
+    def _check_known(self, session_id: str) -> None:
         with self._lock:
             known = session_id in self.sessions
         if not known:
             raise TinkerError(f"unknown session_id '{session_id}'; create_session first (the SDK's ServiceClient does)")
+
+    def _check_session(self, session_id: str) -> None:
+        self._check_known(session_id)
+        with self._lock:
+            finished = self.sessions[session_id].get("finished")
+        if finished is not None:
+            raise TinkerError(
+                f"session '{session_id}' was finished ({finished['reason']}); a new ServiceClient starts a new session"
+            )
 
     def _check_base(self, base_model: str | None) -> None:
         if base_model != self.base_model:

@@ -111,25 +111,30 @@ def test_a_custom_loss_trains_as_the_same_named_loss_does(server, tinker_model_d
     import torch
 
     service = tinker.ServiceClient(base_url=server, api_key=KEY)
-    tokens = [5, 17, 42, 8, 99, 23, 61, 4, 77]
-    weights = [0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.5]
-    datum = tinker.Datum(
-        model_input=tinker.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights},
-    )
+    try:
+        tokens = [5, 17, 42, 8, 99, 23, 61, 4, 77]
+        weights = [0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.5]
+        datum = tinker.Datum(
+            model_input=tinker.ModelInput.from_ints(tokens[:-1]),
+            loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights},
+        )
 
-    def nll(data, logprobs_list):
-        loss = sum(-(torch.tensor(weights) * lp).sum() for lp in logprobs_list)
-        return loss, {"nll": float(loss)}
+        def nll(data, logprobs_list):
+            loss = sum(-(torch.tensor(weights) * lp).sum() for lp in logprobs_list)
+            return loss, {"nll": float(loss)}
 
-    named = service.create_lora_training_client(base_model=tinker_model_dir, rank=4, seed=7)
-    custom = service.create_lora_training_client(base_model=tinker_model_dir, rank=4, seed=7)
-    a = named.forward_backward([datum], "cross_entropy").result()
-    b = custom.forward_backward_custom([datum], nll).result()
-    np.testing.assert_allclose(b.metrics["nll"], a.metrics["loss:sum"], rtol=1e-5)
-    np.testing.assert_allclose(b.metrics["loss:sum"], a.metrics["loss:sum"], rtol=1e-5)
-    for client in (named, custom):
-        client.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
-    after = [c.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].data for c in (named, custom)]
-    np.testing.assert_allclose(after[0], after[1], atol=1e-5)
-    assert not np.allclose(after[0], a.loss_fn_outputs[0]["logprobs"].data, atol=1e-3)
+        named = service.create_lora_training_client(base_model=tinker_model_dir, rank=4, seed=7)
+        custom = service.create_lora_training_client(base_model=tinker_model_dir, rank=4, seed=7)
+        a = named.forward_backward([datum], "cross_entropy").result()
+        b = custom.forward_backward_custom([datum], nll).result()
+        np.testing.assert_allclose(b.metrics["nll"], a.metrics["loss:sum"], rtol=1e-5)
+        np.testing.assert_allclose(b.metrics["loss:sum"], a.metrics["loss:sum"], rtol=1e-5)
+        for client in (named, custom):
+            client.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
+        after = [
+            c.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].data for c in (named, custom)
+        ]
+        np.testing.assert_allclose(after[0], after[1], atol=1e-5)
+        assert not np.allclose(after[0], a.loss_fn_outputs[0]["logprobs"].data, atol=1e-3)
+    finally:
+        service.close("success").result()  # ends its session and stops its heartbeat thread

@@ -44,12 +44,16 @@ class ArithmeticService:
         self.checkpoint_list: dict[str, list] = {}
         self.release = threading.Event()
         self.release.set()
+        self.finished: dict[str, tuple] = {}
 
     def capabilities(self):
         return {"supported_models": [{"model_name": BASE}]}
 
     def create_session(self, tags=None, user_metadata=None):
         return f"session-{uuid.uuid4().hex[:6]}"
+
+    def finish_session(self, session_id, reason, detail=None):
+        self.finished[session_id] = (reason, detail)
 
     def create_model(self, session_id, base_model, lora_config, user_metadata=None):
         self.release.wait(10)  # a test holds this to see a pending future
@@ -196,7 +200,9 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    return tinker.ServiceClient(base_url=server[0], api_key=KEY)
+    service = tinker.ServiceClient(base_url=server[0], api_key=KEY)
+    yield service
+    service.close("success").result()  # ends its session and stops its heartbeat thread
 
 
 def datum(tokens, **inputs):
@@ -310,6 +316,7 @@ def test_bad_inputs_are_refused_and_the_server_keeps_serving(client, server):
     intruder = tinker.ServiceClient(base_url=base_url, api_key="tml-wrong")  # it connects on first use
     with pytest.raises(tinker.AuthenticationError, match="wrong API key"):
         intruder.create_lora_training_client(base_model=BASE, rank=8).result()
+    intruder.close("errored")
     r = httpx.post(f"{base_url}/api/v1/create_session", json={})
     assert r.status_code == 401 and r.json()["category"] == "user"
 
@@ -342,6 +349,16 @@ def test_bad_inputs_are_refused_and_the_server_keeps_serving(client, server):
     assert httpx.get(f"{base_url}/api/v1/healthz").json() == {"status": "ok"}
     out = tc.forward_backward([sft_datum([1, 2, 3])], "cross_entropy").result()
     np.testing.assert_allclose(out.loss_fn_outputs[0]["logprobs"].to_numpy(), expected_logprobs([2, 3], 0))
+
+
+def test_closing_the_sdks_client_finishes_its_session(server):
+    base_url, service = server
+    sdk = tinker.ServiceClient(base_url=base_url, api_key=KEY)
+    sdk.create_lora_training_client(base_model=BASE, rank=2).result()  # opens the session
+    sdk.close("success", detail="done").result()
+    assert ("success", "done") in service.finished.values(), service.finished
+    r = httpx.post(f"{base_url}/api/v1/sessions/session-x/finish", headers={"X-API-Key": KEY}, json={"reason": {}})
+    assert r.status_code == 400 and "reason.type" in r.text
 
 
 def test_pending_future_answers_try_again_then_its_result(server):

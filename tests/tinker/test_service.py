@@ -86,10 +86,22 @@ def test_stop_strings_cut_the_sample_after_the_stop(service):
     assert service._shared.stats["output_tokens"] - before < 200  # stopped early, not run to max_tokens
 
 
+def finished(service) -> str:
+    """A session that the SDK's ServiceClient.close ended (its first reason stays)."""
+    session = service.create_session()
+    service.finish_session(session, "success", "done")
+    service.finish_session(session, "errored")
+    return session
+
+
 @pytest.mark.parametrize(
     "call, message",
     [
         (lambda s, m: s.create_model("session-nope", "tiny", {"rank": 4}), "unknown session_id"),
+        (
+            lambda s, m: s.create_model(finished(s), "tiny", {"rank": 4}),
+            r"was finished \(success\); a new ServiceClient",
+        ),
         (lambda s, m: s.create_model(s.create_session(), "other-model", {"rank": 4}), "is not served here"),
         (lambda s, m: s.create_model(s.create_session(), "tiny", {"rank": 0}), r"rank must be an integer in \[1, 64\]"),
         (lambda s, m: s.create_model(s.create_session(), "tiny", {"rank": 4, "alpha": 2}), r"\['alpha'\] are unknown"),
