@@ -29,17 +29,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from ..shard_map import shard_map
 from . import ops
 
 EXCHANGES = ("auto", "padded", "ragged", "ragged_emulated")
-
-
-def _shard_map(fn, mesh, in_specs, out_specs):
-    if hasattr(jax, "shard_map"):
-        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
-    from jax.experimental.shard_map import shard_map  # jax < 0.7
-
-    return shard_map(fn, mesh, in_specs=in_specs, out_specs=out_specs)
 
 
 # ----------------------------------------------------------------------------- injective gathers
@@ -218,6 +211,6 @@ def moe_ffn_ep(
     fn = functools.partial(
         _local_moe, n_experts=E, axis=expert_axis, implementation=impl, tiling=tiling, exchange=exchange
     )
-    return _shard_map(fn, mesh, (tokens, tokens, tokens, experts, experts, experts), tokens)(
+    return shard_map(fn, mesh, (tokens, tokens, tokens, experts, experts, experts), tokens)(
         x_TxD, expert_ids_Txk, weights_Txk, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD
     )

@@ -38,19 +38,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ptrain.config import choices
+from ptrain.kernels.shard_map import shard_map
 from ptrain.models.layers import MASK_VALUE, attention_mask, causal_attend
 
 RING_QUERY_BLOCK = 512
 """Queries per score block of a ring step: each step forms [block, chunk] scores at a time,
 not [chunk, chunk], which at a 32k-token chunk would be 4 GiB per head."""
-
-
-def _shard_map(fn, mesh, in_specs, out_specs):
-    if hasattr(jax, "shard_map"):
-        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
-    from jax.experimental.shard_map import shard_map  # jax < 0.7
-
-    return shard_map(fn, mesh, in_specs=in_specs, out_specs=out_specs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +85,7 @@ class ContextParallel:
             fn = partial(_ring_local, axis=self.axis, n=self.size, window=window, query_block=self.query_block)
         else:
             fn = partial(_all_to_all_local, axis=self.axis, window=window)
-        return _shard_map(fn, self.mesh, (heads, heads, heads, rows), heads)(
+        return shard_map(fn, self.mesh, (heads, heads, heads, rows), heads)(
             q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL
         )
 
@@ -103,16 +96,11 @@ def context_parallel_plan(cfg: Any, mesh: jax.sharding.Mesh | None, rules=None) 
     `length` axis. ValueError when the split cannot work, with the fix."""
     if mesh is None:
         return None
-    from ptrain.parallel.sharding import split_axes
+    from ptrain.parallel.sharding import sole_split_axis, split_axes
 
-    axes = split_axes(mesh, rules, "length")
-    if not axes:
+    axis = sole_split_axis(mesh, rules, "length", "context parallelism passes keys round one axis")
+    if axis is None:
         return None
-    if len(axes) > 1:
-        raise ValueError(
-            f"mesh.rules map the logical 'length' axis to the mesh axes {list(axes)}, all larger than 1; context "
-            "parallelism passes keys round one axis: map 'length' to one of them"
-        )
     mode = cfg.context_attention
     if mode not in choices.CONTEXT_ATTENTION:
         raise ValueError(f"model.context_attention={mode!r}: pass {' | '.join(choices.CONTEXT_ATTENTION)}")
@@ -120,14 +108,14 @@ def context_parallel_plan(cfg: Any, mesh: jax.sharding.Mesh | None, rules=None) 
     split = math.prod(mesh.shape[a] for a in head_axes)
     if cfg.n_kv_heads % split or cfg.n_heads % split:
         head_axes, split = (), 1  # the heads are not split over those axes (logical_to_spec) here either
-    n = mesh.shape[axes[0]]
+    n = mesh.shape[axis]
     if mode == "all_to_all" and (cfg.n_kv_heads // split) % n:
         raise ValueError(
-            f"model.context_attention=all_to_all splits the kv heads over mesh.{axes[0]}={n} devices, but each "
+            f"model.context_attention=all_to_all splits the kv heads over mesh.{axis}={n} devices, but each "
             f"device holds {cfg.n_kv_heads // split} kv heads; use context_attention=ring, or a context size that "
             "divides them"
         )
-    return ContextParallel(mesh, axes[0], split_axes(mesh, rules, "batch"), head_axes, mode)
+    return ContextParallel(mesh, axis, split_axes(mesh, rules, "batch"), head_axes, mode)
 
 
 # ------------------------------------------------------------------------------- ring

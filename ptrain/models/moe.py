@@ -55,17 +55,11 @@ def expert_parallel_axis(cfg: Any, mesh: jax.sharding.Mesh | None, rules=None) -
     """
     if mesh is None or not cfg.is_moe:
         return None
-    from ptrain.parallel.sharding import split_axes
+    from ptrain.parallel.sharding import sole_split_axis
 
-    axes = split_axes(mesh, rules, "expert")
-    if not axes:
+    axis = sole_split_axis(mesh, rules, "expert", "expert parallelism exchanges tokens over one mesh axis")
+    if axis is None:
         return None
-    if len(axes) > 1:
-        raise ValueError(
-            f"mesh.rules map the logical 'expert' axis to the mesh axes {axes}, all larger than 1; expert "
-            "parallelism exchanges tokens over one mesh axis: map 'expert' to one of them"
-        )
-    axis = axes[0]
     if cfg.n_experts % mesh.shape[axis]:
         raise ValueError(
             f"model.n_experts={cfg.n_experts} does not split over the {mesh.shape[axis]} devices of mesh axis "

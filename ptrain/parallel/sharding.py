@@ -47,6 +47,18 @@ def split_axes(mesh: Mesh, rules: Sequence[tuple[str, Any]] | None, logical: str
     return tuple(a for a in rule_axes(rules, logical) if a in mesh.shape and mesh.shape[a] > 1)
 
 
+def sole_split_axis(mesh: Mesh, rules: Sequence[tuple[str, Any]] | None, logical: str, why: str) -> str | None:
+    """The one mesh axis of size > 1 holding `logical`, or None; ValueError (saying `why` one
+    axis is needed, and the fix) when the rules spread it over several."""
+    axes = split_axes(mesh, rules, logical)
+    if len(axes) > 1:
+        raise ValueError(
+            f"mesh.rules map the logical '{logical}' axis to the mesh axes {list(axes)}, all larger than 1; {why}: "
+            f"map '{logical}' to one of them"
+        )
+    return axes[0] if axes else None
+
+
 def logical_to_spec(
     names: Sequence[str | None], shape: Sequence[int], mesh: Mesh, rules: Sequence[tuple[str, Any]] = DEFAULT_RULES
 ) -> P:
