@@ -181,6 +181,49 @@ class CountdownOptions:
         _check_rewards(self, where)
 
 
+REVERSE_TEXT_MAX_CHARS = 1000
+"""Longest text a reverse_text task may ask to reverse (options.max_chars)."""
+REVERSE_TEXT_MAX_WORD_CHARS = 8
+"""Longest word of reverse_text's word list (ptrain/envs/reverse_text.py): the least max_chars,
+so that some text fits."""
+
+
+@register_options("reverse_text")
+@dataclass
+class ReverseTextOptions:
+    """Reverse a text character by character (prime-rl's reverse-text example): the texts are
+    lowercase words from a built-in list joined by spaces, generated from the seed; the answer
+    goes in <reversed_text>...</reversed_text> and scores its difflib.SequenceMatcher ratio
+    against the reversed text (dense: 1.0 only for the exact reversal)."""
+
+    min_chars: int = 20
+    """Shortest text (>= 1 character)."""
+    max_chars: int = 60
+    """Longest text (>= min_chars, >= 8 so that any word fits, <= 1000)."""
+    format_reward: float = 0.0
+    """Reward component `format` (>= 0) for a completion with a non-empty
+    <reversed_text>...</reversed_text>."""
+    correct_reward: float = 1.0
+    """Reward component `correct` (>= 0): correct_reward times the similarity ratio in [0, 1]
+    of the answer to the reversed text. An episode counts as correct (pass rate, eval accuracy)
+    only when that component reaches 1, the exact reversal with correct_reward 1."""
+
+    def validate(self, where: str) -> None:
+        _check(
+            1 <= self.min_chars <= self.max_chars,
+            f"{where}.min_chars",
+            f"need 1 <= min_chars <= max_chars, got {self.min_chars} and {self.max_chars}; "
+            "lower min_chars or raise max_chars",
+        )
+        _check(
+            REVERSE_TEXT_MAX_WORD_CHARS <= self.max_chars <= REVERSE_TEXT_MAX_CHARS,
+            f"{where}.max_chars",
+            f"need {REVERSE_TEXT_MAX_WORD_CHARS} <= max_chars <= {REVERSE_TEXT_MAX_CHARS} (the longest word must "
+            f"fit), got {self.max_chars}",
+        )
+        _check_rewards(self, where)
+
+
 MATH_FAMILIES = ("linear", "fractions", "word")
 """Generated math task families: linear equations, fraction arithmetic, word problems."""
 MATH_ANSWER_FORMATS = ("boxed", "answer_tag")

@@ -37,6 +37,12 @@ def _countdown() -> type:
     return CountdownEnv
 
 
+def _reverse_text() -> type:
+    from ptrain.envs.reverse_text import ReverseTextEnv
+
+    return ReverseTextEnv
+
+
 def _math() -> type:
     from ptrain.envs.math import MathEnv
 
@@ -118,6 +124,7 @@ def _verifiers() -> type:
 ENV_CLASSES: dict[str, Callable[[], type]] = {
     "arithmetic": _arithmetic,
     "countdown": _countdown,
+    "reverse_text": _reverse_text,
     "math": _math,
     "code": _code,
     "reasoning_gym": _reasoning_gym,

@@ -43,6 +43,11 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def is_correct(t: Trajectory) -> bool:
+    """Whether an episode solved its task. The environment's judged value (the `correct`
+    metric, 1 = right) decides, whatever reward it is scaled to (countdown pays 0.9 for it);
+    without that metric, a `correct` reward component of at least 1, else any positive reward."""
+    if "correct" in t.metrics:
+        return float(t.metrics["correct"]) >= 1.0
     return float(t.reward_components.get("correct", 1.0 if t.reward > 0 else 0.0)) >= 1.0
 
 

@@ -39,6 +39,8 @@ SINGLE_TURN = {
     "countdown": ("countdown", {}),
     "countdown_use_all": ("countdown", {"use_all_numbers": True}),
     "code": ("code", {}),
+    "reverse_text": ("reverse_text", {"format_reward": 0.1}),
+    "reverse_text_long": ("reverse_text", {"min_chars": 150, "max_chars": 300}),
 }
 """Environment variants whose demonstrations are rolled out: name -> (kind, options)."""
 
@@ -189,6 +191,12 @@ def test_reasoning_works_the_task_out(tok):
         demo = env.demonstration(t)
         assert _answer(demo) == f"```python\n{t.data['solution'].rstrip()}\n```"
         assert t.data["solution"] not in t.messages[0]["content"]
+
+    env = build(tok, "reverse_text", {})
+    for t in env.tasks("train", seed=0):
+        demo = env.demonstration(t)
+        assert str(len(t.data["text"])) in _reasoning(demo)
+        assert _answer(demo) == f"<reversed_text>{t.data['text'][::-1]}</reversed_text>"
 
 
 def test_instruction_following_demonstrations_meet_every_constraint_set(tok):

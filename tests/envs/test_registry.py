@@ -24,7 +24,7 @@ from ptrain.envs.base import Environment
 from ptrain.envs.registry import ENV_CLASSES, ENV_KINDS, env_class, make_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-MY_KINDS = ("arithmetic", "countdown", "math", "code", "reasoning_gym")
+MY_KINDS = ("arithmetic", "countdown", "reverse_text", "math", "code", "reasoning_gym")
 
 
 def test_every_kind_has_options_and_a_class():

@@ -3,7 +3,7 @@
 import pytest
 
 from ptrain.envs.base import Task, Trajectory, Turn
-from ptrain.stages.env_metrics import calls_a_tool, reasoning_and_answer_chars, summarize
+from ptrain.stages.env_metrics import calls_a_tool, is_correct, reasoning_and_answer_chars, summarize
 
 
 def traj(*texts: str, reward: float = 1.0) -> Trajectory:
@@ -33,6 +33,22 @@ def traj(*texts: str, reward: float = 1.0) -> Trajectory:
 )
 def test_reasoning_and_answer_are_counted_apart(text, reasoning, answer):
     assert reasoning_and_answer_chars(traj(text)) == (reasoning, answer)
+
+
+def test_the_judged_value_decides_correctness_whatever_the_reward_scale():
+    import dataclasses
+
+    base = traj("<answer>1 + 2</answer>", reward=1.0)
+    # countdown pays 0.1 format + 0.9 correct: a right answer is correct though no part reaches 1
+    right = dataclasses.replace(base, reward_components={"format": 0.1, "correct": 0.9}, metrics={"correct": 1.0})
+    wrong = dataclasses.replace(base, reward=0.1, reward_components={"format": 0.1, "correct": 0.0},
+                                metrics={"correct": 0.0})  # fmt: skip
+    partial = dataclasses.replace(base, reward=0.75, reward_components={"correct": 0.75}, metrics={"correct": 0.75})
+    assert [is_correct(t) for t in (right, wrong, partial)] == [True, False, False]
+    # without the metric: a `correct` component of at least 1, else any positive reward
+    assert is_correct(dataclasses.replace(base, reward_components={"correct": 2.0}))
+    assert not is_correct(dataclasses.replace(base, reward_components={"correct": 0.9}))
+    assert is_correct(base) and not is_correct(traj("x", reward=0.0))
 
 
 def test_turns_add_up_and_tool_calls_are_seen_in_any_turn():
