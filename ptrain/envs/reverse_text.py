@@ -112,14 +112,9 @@ def judge_reverse_text(answer: str, data: dict[str, Any]) -> float:
 
 
 def prompt_text(text: str) -> str:
-    """The prompt of one task: the text and the answer format."""
-    return (
-        "Reverse the following text character by character: write its characters in the opposite order, "
-        "the last one first, keeping every space.\n\n"
-        f"Text: {text}\n\n"
-        f"Think it through, then give only the reversed text inside <{TAG}></{TAG}> tags, for example "
-        f'<{TAG}>dlrow olleh</{TAG}> for "hello world".'
-    )
+    """The prompt of one task: the text and the answer format. Kept short: the embedded
+    tokenizer spends about 1.5 characters a token on plain English."""
+    return f"Write this text backwards, character by character, inside <{TAG}></{TAG}>.\nText: {text}"
 
 
 class ReverseTextEnv(SingleTurnEnv):
@@ -172,5 +167,5 @@ class ReverseTextEnv(SingleTurnEnv):
                 f"env {self.name} task {task.id}: the stored target {target!r} is not the reversal of {text!r} "
                 "(or has surrounding spaces, which the answer's extraction strips); the task's data is inconsistent"
             )
-        reasoning = f"The text has {len(text)} characters; write them from the last to the first, spaces included."
+        reasoning = f"{len(text)} characters, the last first."
         return [{"role": "assistant", "content": f"<think>{reasoning}</think><{TAG}>{target}</{TAG}>"}]

@@ -246,6 +246,29 @@ def test_a_moving_curriculum_target_needs_its_start_and_env_data_names_real_envi
         to_run_config(composed("data.reasoning.strip=1.5"))
 
 
+def _recipes_with_a_published_scale() -> list[str]:
+    from importlib import resources
+
+    from ptrain.config.recipes import available_recipes
+
+    folder = resources.files("ptrain.conf") / "recipe"
+    return [r for r in available_recipes() if "\n  published:" in (folder / f"{r}.yaml").read_text()]
+
+
+@pytest.mark.parametrize("recipe", _recipes_with_a_published_scale())
+def test_every_published_scale_composes_and_its_launch_names_the_model(recipe):
+    """A published scale composes with nothing present; validating it names what the launch
+    must give, the model first, and the recipe's header shows a launch line that gives it."""
+    from importlib import resources
+
+    args = [f"recipe={recipe}", "scale=published"]
+    with pytest.raises(ConfigError) as e:
+        to_run_config(composed(*args), args)
+    assert "no value given" in str(e.value) and "model.hf_path=..." in str(e.value)
+    header = (resources.files("ptrain.conf") / "recipe" / f"{recipe}.yaml").read_text()
+    assert f"recipe={recipe} scale=published model.hf_path=" in header
+
+
 def test_nemotron_like_published_scale_names_every_value_its_launch_must_give():
     """Nano's settings compose without the model, the fleet or the data present; validating
     them names each missing value, with "+" where the key is one only the scale adds."""
