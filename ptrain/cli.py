@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 
 from ptrain.config import ConfigError, register_configs, to_run_config
 from ptrain.config.recipes import check_recipe, recipes_named
-from ptrain.config.run import BASE_SCALE, check_list_overrides, shadowed_overrides
+from ptrain.config.run import BASE_SCALE, RunConfig, check_list_overrides, shadowed_overrides
 from ptrain.runtime import tune_xla_cpu
 
 log = logging.getLogger("ptrain")
@@ -37,6 +37,35 @@ def _multirun() -> bool:
         return HydraConfig.get().mode == RunMode.MULTIRUN
     except ValueError:  # not under Hydra (tests call _run directly)
         return False
+
+
+def _optuna_sweep() -> bool:
+    """Whether Hydra's optuna sweeper runs this job: its trials need one number back."""
+    try:
+        return _multirun() and "optuna" in str(HydraConfig.get().sweeper.get("_target_", "")).lower()
+    except ValueError:
+        return False
+
+
+def _job_result(run: RunConfig, summary: dict) -> Any:
+    """What a job returns to Hydra: its final metrics, or under the optuna sweeper the
+    objective's value alone (a search needs one number per trial)."""
+    if not _optuna_sweep():
+        return summary
+    key = run.objective
+    if key not in summary:
+        have = ", ".join(sorted(k for k, v in summary.items() if isinstance(v, (int, float))))
+        _stop_search(
+            f"'{key}' is not a final metric of the last stage '{run.stages[-1].name}' (the run is kept in "
+            f"{run.run_dir}); pass one of {have}"
+        )
+    return float(summary[key])
+
+
+def _stop_search(problem: str) -> None:
+    """A search whose objective is wrong would fail every trial alike: stop it at the first."""
+    print(f"ptrain: config error: config key 'objective': {problem}", file=sys.stderr, flush=True)
+    _exit(2)
 
 
 def _fail(kind: str, e: BaseException, code: int) -> dict:
@@ -72,6 +101,12 @@ def _run(cfg: DictConfig) -> dict:
         run = to_run_config(cfg, overrides)
     except (ConfigError, FileNotFoundError) as e:
         return _fail("config error", e, 2)
+    if _optuna_sweep() and not run.objective:
+        _stop_search(
+            f"recipe '{run.name}' declares none, and hydra/sweeper=optuna needs one number from each job; pass "
+            "objective=<a final metric of the last stage> (e.g. objective=eval/sampled/accuracy, a key of its "
+            "metrics.jsonl) and hydra.sweeper.direction=maximize or minimize"
+        )
     if _multirun():
         run.run_dir = HydraConfig.get().runtime.output_dir  # one folder per sweep job
     try:
@@ -93,7 +128,7 @@ def _run(cfg: DictConfig) -> dict:
 
             result = run_config(run)
             return {"rounds": len(result.rounds), "champion": result.champion, "stopped": result.stopped}
-        return run_api(run).last.summary
+        return _job_result(run, run_api(run).last.summary)
     except (ConfigError, FileNotFoundError) as e:  # checks that need the devices or the files
         return _fail("config error", e, 2)
     except StageStopped as e:  # checkpointed and stopped: the rollout engine could not sample
@@ -132,7 +167,7 @@ def _print_scaled_job(argv: list[str]) -> bool:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from ptrain.config.run import RunConfig, apply_scale
+    from ptrain.config.run import apply_scale
 
     try:
         with initialize_config_module(config_module="ptrain.conf", version_base="1.3"):
@@ -174,14 +209,18 @@ class SweepSummary(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if not self.jobs:
             return
-        lines = [f"\nSweep summary ({len(self.jobs)} jobs, folders under {config.hydra.sweep.dir}):"]
+        table = os.path.join(config.hydra.sweep.dir, "sweep_summary.jsonl")
+        lines = [f"\nSweep summary ({len(self.jobs)} jobs, folders under {config.hydra.sweep.dir}; {table}):"]
         failed = 0
-        for i, (overrides, value) in enumerate(self.jobs):
-            shown = value
-            if isinstance(value, dict):
-                shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in value.items()}
-                failed += "error" in value
-            lines.append(f"  job{i}  {' '.join(overrides)}  ->  {json.dumps(shown, default=str)}")
+        os.makedirs(config.hydra.sweep.dir, exist_ok=True)
+        with open(table, "w") as f:
+            for i, (overrides, value) in enumerate(self.jobs):
+                shown = value
+                if isinstance(value, dict):
+                    shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in value.items()}
+                    failed += "error" in value
+                lines.append(f"  job{i}  {' '.join(overrides)}  ->  {json.dumps(shown, default=str)}")
+                f.write(json.dumps({"job": i, "overrides": overrides, "result": value}, default=str) + "\n")
         print("\n".join(lines), flush=True)
         if failed:
             print(f"ptrain: {failed} of {len(self.jobs)} sweep jobs failed (above)", file=sys.stderr, flush=True)

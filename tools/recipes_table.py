@@ -137,7 +137,7 @@ def stage_algorithm(run, stage) -> str | None:
 
 
 def recipe_row(name: str) -> list[str]:
-    """[name, stages, algorithm, environments, reproduces, result] of one recipe."""
+    """[name, stages, algorithm, environments, objective, reproduces, result] of one recipe."""
     import ptrain
     from ptrain.config.stages import STAGES
 
@@ -161,7 +161,8 @@ def recipe_row(name: str) -> list[str]:
     text = (resources.files("ptrain.conf") / "recipe" / f"{name}.yaml").read_text()
     fields = header_fields(text)
     reproduces = fields.get("Reproduces") or "(no Reproduces line in the header)"
-    return [f"`{name}`", stages, algorithm, ", ".join(envs) or "-", reproduces, result_summary(fields, name)]
+    objective = f"`{run.objective}`" if run.objective else "-"
+    return [f"`{name}`", stages, algorithm, ", ".join(envs) or "-", objective, reproduces, result_summary(fields, name)]
 
 
 def _cell(text: str) -> str:
@@ -183,11 +184,33 @@ def render() -> str:
         f"Generated from the recipe files by `{COMMAND}`;",
         "tests/test_recipes_doc.py fails when this page and the recipes disagree.",
         "",
-        "| recipe | stages (kind) | algorithm | environments | reproduces | result |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| recipe | stages (kind) | algorithm | environments | objective | reproduces | result |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name in available_recipes():
         lines.append("| " + " | ".join(_cell(c) for c in recipe_row(name)) + " |")
+    lines += [
+        "",
+        "## Sweeps and searches",
+        "",
+        "`python -m ptrain -m recipe=dapo algo.grpo.clip_high=0.2,0.28` runs one job per value, each in",
+        "its own folder under the sweep folder (`hydra.sweep.dir`), and ends with a table of every",
+        "job's overrides and the final metrics of its last stage, also written there as",
+        "`sweep_summary.jsonl`. A job that fails does not stop the others. Each recipe's header names",
+        "the sweeps over the knobs its paper studies.",
+        "",
+        '`pip install ".[search]"` adds Hydra\'s optuna sweeper, which searches instead of listing:',
+        "",
+        "```",
+        "python -m ptrain -m recipe=countdown_zero hydra/sweeper=optuna hydra.sweeper.direction=maximize \\",
+        "    hydra.sweeper.n_trials=20 'algo.grpo.clip_high=interval(0.2,0.4)' 'algo.grpo.group_size=choice(4,8)'",
+        "```",
+        "",
+        "Each trial returns the recipe's `objective` (the column above: one of the last stage's final",
+        "metrics; `objective=KEY` picks another) and the best trial is written to",
+        "`optimization_results.yaml` in the sweep folder. A search without an objective, or with one",
+        "the last stage does not report, stops at its first trial and says which keys there are.",
+    ]
     return "\n".join(lines) + "\n"
 
 

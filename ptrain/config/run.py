@@ -81,6 +81,12 @@ class RunConfig:
     distributed.coordinator_address=host:port` sets them by hand. docs/scaling.md."""
     stages: list[StageConfig] = field(default_factory=lambda: [StageConfig()])
     """Ordered stages of the recipe; each starts from the previous one's export."""
+    objective: str | None = None
+    """The number a hyperparameter search optimises: one of the last stage's final metrics
+    (a key of its metrics.jsonl, e.g. eval/sampled/accuracy). With Hydra's optuna sweeper
+    (`python -m ptrain -m hydra/sweeper=optuna hydra.sweeper.direction=maximize ...`) each
+    job returns it as its trial's value; a recipe names the metric its paper reports. Other
+    sweeps and single runs ignore it."""
     recipe: Any | None = None
     """Set by the `recipe` group (its files hold only overrides); unused at run time."""
     scale: str = "tiny"
@@ -491,6 +497,11 @@ def validate(run: RunConfig) -> None:
     names = [s.name for s in run.stages]
     _check(len(run.stages) > 0, "stages", "a recipe needs at least one stage, e.g. stages=[{name: sft, kind: sft}]")
     _check(len(set(names)) == len(names), "stages", f"stage names must be unique, got {names}")
+    _check(
+        run.objective is None or bool(run.objective.strip()),
+        "objective",
+        "must be a final metric of the last stage (e.g. objective=eval/sampled/accuracy) or null",
+    )
     for i, s in enumerate(run.stages):
         _check(
             s.kind in C.STAGE_KINDS,

@@ -298,3 +298,41 @@ def test_cfg_job_prints_a_scale_merged_and_a_published_launch_names_what_to_pass
     launch = cli("recipe=nemotron_like", "scale=published", check=False)
     assert launch.returncode == 2 and time.time() - start < 60
     assert "model.hf_path=..." in launch.stderr and "+envs.math.options.url=..." in launch.stderr
+
+
+@pytest.mark.slow
+def test_optuna_search_returns_the_recipes_declared_objective_from_each_trial(tmp_path):
+    """`hydra/sweeper=optuna` over a recipe that declares `objective`: each trial runs the
+    recipe with the sampled value and returns that metric of its last stage; the sweeper's
+    optimization_results.yaml and ptrain's sweep_summary.jsonl agree with the jobs' files."""
+    import yaml
+
+    cli(
+        "-m", "recipe=countdown_zero", "scale=smoke", "hydra/sweeper=optuna", "hydra.sweeper.direction=maximize",
+        "hydra.sweeper.n_trials=2", "hydra.sweeper.sampler.seed=0", "algo.grpo.clip_high=interval(0.2,0.3)",
+        "logging.console=false", "logging.tensorboard=false", f"hydra.sweep.dir={tmp_path}",
+    )  # fmt: skip
+    rows = [json.loads(line) for line in (tmp_path / "sweep_summary.jsonl").read_text().splitlines()]
+    assert [r["job"] for r in rows] == [0, 1]
+    for row in rows:
+        job = tmp_path / f"job{row['job']}"
+        last = json.loads((job / "stages" / "eval" / "metrics.jsonl").read_text().splitlines()[-1])
+        assert row["result"] == last["eval/countdown/sampled/accuracy"]
+        sampled = next(float(o.split("=")[1]) for o in row["overrides"] if o.startswith("algo.grpo.clip_high="))
+        assert 0.2 <= sampled <= 0.3 and f"clip_high: {sampled}" in (job / "config.yaml").read_text()
+    best = yaml.safe_load((tmp_path / "optimization_results.yaml").read_text())
+    assert best["best_value"] == max(r["result"] for r in rows)
+
+
+@pytest.mark.slow
+def test_optuna_search_without_a_usable_objective_stops_at_the_first_trial(tmp_path):
+    search = ["-m", "recipe=sft_arithmetic", "scale=smoke", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2",
+              "optim.lr=interval(1e-4,1e-3)", "logging.console=false", "logging.tensorboard=false"]  # fmt: skip
+    out = cli(*search, f"hydra.sweep.dir={tmp_path / 'none'}", check=False)
+    assert out.returncode == 2 and "config key 'objective': recipe 'sft_arithmetic' declares none" in out.stderr
+    assert not (tmp_path / "none" / "job0" / "stages").exists() and not (tmp_path / "none" / "job1").exists()
+    out = cli(*search, "objective=eval/nope", f"hydra.sweep.dir={tmp_path / 'wrong'}", check=False)
+    assert out.returncode == 2 and "'eval/nope' is not a final metric of the last stage 'sft'" in out.stderr
+    assert "pass one of " in out.stderr and "eval/loss" in out.stderr, out.stderr[-2000:]
+    assert (tmp_path / "wrong" / "job0" / "stages" / "sft" / "DONE.json").is_file()
+    assert not (tmp_path / "wrong" / "job1").exists()
