@@ -21,7 +21,6 @@ from ptrain.models.decoder import (
     flops_per_token,
     init_cache,
     last_token_index,
-    pack_decode_weights,
     validate_config,
 )
 from ptrain.models.generate import GenerateOutput, generate
@@ -34,6 +33,7 @@ from ptrain.models.hf import (
     save_hf_reward_model,
 )
 from ptrain.models.moe import RouterBias, update_router_bias
+from ptrain.models.weights import pack_decode_weights
 
 __all__ = [
     "Decoder",

@@ -40,8 +40,7 @@ from flax import nnx, struct
 
 from ptrain.config import choices
 from ptrain.config.model import ModelConfig
-from ptrain.kernels import cpu as cpu_kernels
-from ptrain.models import lora
+from ptrain.models import lora, weights
 from ptrain.models.layers import MLP, Attention, RMSNorm, as_dtype, attention_mask, param, rope_inv_freq, rope_tables
 
 REMAT_POLICIES = {
@@ -289,12 +288,7 @@ class Decoder(nnx.Module):
 
     def logits_from_hidden(self, h_BxLxD: jax.Array) -> jax.Array:
         """Final-normed hidden states -> float32 logits [B, L, V]."""
-        dt = as_dtype(self._frozen.cfg.dtype)
-        w = self.head_weight()
-        if isinstance(w, cpu_kernels.PackedWeight):
-            return cpu_kernels.packed_dense(h_BxLxD, w)
-        w = w.astype(dt)
-        return jnp.einsum("bld,dv->blv", h_BxLxD.astype(dt), w, preferred_element_type=jnp.float32)
+        return weights.logits(h_BxLxD, self.head_weight(), as_dtype(self._frozen.cfg.dtype))
 
     def _trunk(self, input_ids_BxL, positions_BxL, mask_BxTxS, caches=None, cache_index=None, cp=None):
         cfg = self._frozen.cfg
@@ -440,43 +434,6 @@ class RewardModel(nnx.Module):
         w_Dx1 = self.score[...].astype(dt)
         scores_B = jnp.einsum("bd,do->b", h_BxD.astype(dt), w_Dx1, preferred_element_type=jnp.float32)
         return (scores_B, aux) if return_aux else scores_B
-
-
-def pack_decode_weights(params: dict) -> dict:
-    """A Decoder's params (`split_model`'s pure dict) with its dense projections as
-    `ptrain.kernels.cpu.PackedWeight`s, for `decode_step` on CPU (see that module): each
-    attention's q, k and v fused into one weight held under `q` (`k` and `v` hold the same
-    object, so the step reads the three with one kernel call), its output projection, each
-    dense MLP's gate and up fused the same way under `gate` and `up`, its down projection,
-    and an untied output head. Norms, embeddings, routers and experts stay arrays. The
-    caller keeps the unpacked params for prefill and training; this is a second copy. Call it
-    outside jit: a jitted caller would return the shared weights as three buffers."""
-
-    def attn(p: dict) -> dict:
-        qkv = cpu_kernels.pack_fused(*(p[n].reshape(*p[n].shape[:-2], -1) for n in ("q", "k", "v")))
-        o = p["o"]  # [..., H, Dh, D] -> [..., H * Dh, D]
-        return {**p, "q": qkv, "k": qkv, "v": qkv, "o": cpu_kernels.pack(o.reshape(*o.shape[:-3], -1, o.shape[-1]))}
-
-    def mlp(p: dict) -> dict:
-        gate_up = cpu_kernels.pack_fused(p["gate"], p["up"])
-        return {"gate": gate_up, "up": gate_up, "down": cpu_kernels.pack(p["down"])}
-
-    def walk(node):  # pure dicts all the way down: a layer list is a dict keyed 0, 1, ...
-        if not isinstance(node, dict):
-            return node
-        out = {}
-        for key, value in node.items():
-            if key == "attn":
-                out[key] = attn(value)
-            elif key == "mlp" and set(value) == {"gate", "up", "down"}:
-                out[key] = mlp(value)
-            elif key == "lm_head":
-                out[key] = cpu_kernels.pack(value)
-            else:
-                out[key] = walk(value)
-        return out
-
-    return walk(params)
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> dict:

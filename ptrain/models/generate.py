@@ -37,7 +37,8 @@ import numpy as np
 from flax import nnx
 
 from ptrain.kernels import cpu as cpu_kernels
-from ptrain.models.decoder import Decoder, init_cache, pack_decode_weights
+from ptrain.models.decoder import Decoder, init_cache
+from ptrain.models.weights import pack_decode_weights
 
 MAX_STOP_TOKENS = 64
 """Stop-token slots; a fixed size keeps the compiled loop reusable across stop sets."""

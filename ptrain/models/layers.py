@@ -23,7 +23,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from ptrain.kernels import cpu as cpu_kernels
-from ptrain.models import lora
+from ptrain.models import weights
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -319,17 +319,7 @@ class Attention(nnx.Module):
 
     def _projections(self, x_BxTxD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """q [B, T, H, Dh], k and v [B, T, K, Dh]."""
-        w = self.q[...]
-        if isinstance(w, cpu_kernels.PackedWeight):  # a decode step: q | k | v in one packed weight
-            if len(w.parts) != 3:
-                raise ValueError("packed attention weights must hold q, k and v fused (pack_decode_weights)")
-            q, k, v = (
-                y.reshape(*x_BxTxD.shape[:-1], -1, self.head_dim) for y in w.split(cpu_kernels.packed_dense(x_BxTxD, w))
-            )
-        else:
-            q, k, v = (
-                lora.einsum_weight("bld,dnh->blnh", x_BxTxD, p[...], self.dtype) for p in (self.q, self.k, self.v)
-            )
+        q, k, v = weights.attention_qkv(x_BxTxD, self.q[...], self.k[...], self.v[...], self.head_dim, self.dtype)
         if self.qkv_bias:
             biases = (self.q_bias, self.k_bias, self.v_bias)
             q, k, v = (y + b[...].astype(self.dtype)[None, None] for y, b in zip((q, k, v), biases))
@@ -391,14 +381,7 @@ class Attention(nnx.Module):
         return self._out(out), (ck, cv)
 
     def _out(self, out_BxTxHxDh: jax.Array) -> jax.Array:
-        # One contraction over H * Dh: written as an einsum over (heads, head_dim), XLA:CPU
-        # transposed both the activations and the whole weight to contract them, every call.
-        B, T, H, Dh = out_BxTxHxDh.shape
-        w = self.o[...]
-        if isinstance(w, cpu_kernels.PackedWeight):
-            return cpu_kernels.packed_dense(out_BxTxHxDh.reshape(B, T, H * Dh), w)
-        y = out_BxTxHxDh.reshape(B, T, H * Dh) @ lora.base_of(w).astype(self.dtype).reshape(H * Dh, -1)
-        return lora.add_update(y.astype(out_BxTxHxDh.dtype), out_BxTxHxDh, w)
+        return weights.attention_out(out_BxTxHxDh, self.o[...], self.dtype)
 
 
 class MLP(nnx.Module):
@@ -412,16 +395,7 @@ class MLP(nnx.Module):
         self.down = param(rngs, (d_ff, d_model), ("mlp", "embed"), std=cfg.init_std, dtype=pd)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        dt = self.dtype
-        gate, up, down = self.gate[...], self.up[...], self.down[...]
-        if isinstance(gate, cpu_kernels.PackedWeight):  # a decode step: gate | up in one packed weight
-            g, u = gate.split(cpu_kernels.packed_dense(x, gate))
-            return cpu_kernels.packed_dense(jax.nn.silu(g) * u, down)
-        if any(isinstance(w, lora.LoRAWeight) for w in (gate, up, down)):  # adapters: x W + (x A) B each
-            g, u = (lora.add_update(x @ lora.base_of(w).astype(dt), x, w) for w in (gate, up))
-            h = jax.nn.silu(g) * u
-            return lora.add_update(h @ lora.base_of(down).astype(dt), h, down)
-        return swiglu(x, gate.astype(dt), up.astype(dt), down.astype(dt))
+        return weights.gated_mlp(x, self.gate[...], self.up[...], self.down[...], self.dtype, swiglu)
 
 
 @jax.custom_vjp
