@@ -62,6 +62,24 @@ def _job_result(run: RunConfig, summary: dict) -> Any:
     return float(summary[key])
 
 
+def _check_search(run: RunConfig) -> None:
+    """Before a trial trains: the search has a number to read and a direction to move it."""
+    if run.continuous.enabled:
+        _stop_search("a continuous run is a loop of rounds, not a trial with one final number; search over a "
+                     "recipe whose stages end (its GRPO settings, then set them in the continuous recipe)")  # fmt: skip
+    if not run.objective:
+        _stop_search(
+            f"recipe '{run.name}' declares none, and hydra/sweeper=optuna needs one number from each job; pass "
+            "objective=<a final metric of the last stage> (e.g. objective=eval/sampled/accuracy, a key of its "
+            "metrics.jsonl) and hydra.sweeper.direction=maximize or minimize"
+        )
+    if not any(o.split("=", 1)[0] == "hydra.sweeper.direction" for o in HydraConfig.get().overrides.hydra):
+        _stop_search(
+            f"'{run.objective}' is searched without a direction, and optuna's default minimises it; pass "
+            "hydra.sweeper.direction=maximize (accuracies, rewards) or hydra.sweeper.direction=minimize (losses)"
+        )
+
+
 def _stop_search(problem: str) -> None:
     """A search whose objective is wrong would fail every trial alike: stop it at the first."""
     print(f"ptrain: config error: config key 'objective': {problem}", file=sys.stderr, flush=True)
@@ -101,12 +119,8 @@ def _run(cfg: DictConfig) -> dict:
         run = to_run_config(cfg, overrides)
     except (ConfigError, FileNotFoundError) as e:
         return _fail("config error", e, 2)
-    if _optuna_sweep() and not run.objective:
-        _stop_search(
-            f"recipe '{run.name}' declares none, and hydra/sweeper=optuna needs one number from each job; pass "
-            "objective=<a final metric of the last stage> (e.g. objective=eval/sampled/accuracy, a key of its "
-            "metrics.jsonl) and hydra.sweeper.direction=maximize or minimize"
-        )
+    if _optuna_sweep():
+        _check_search(run)
     if _multirun():
         run.run_dir = HydraConfig.get().runtime.output_dir  # one folder per sweep job
     try:
@@ -174,7 +188,9 @@ def _print_scaled_job(argv: list[str]) -> bool:
             cfg = compose(config_name="config", overrides=overrides)
         merged = apply_scale(OmegaConf.merge(OmegaConf.structured(RunConfig), cfg), overrides)
     except (HydraException, OmegaConfBaseException) as e:
-        raise ConfigError(str(e).strip().splitlines()[0]) from None
+        # Hydra's first line names the key; its second, when a key is new, says to add "+"
+        lines = str(e).strip().splitlines()
+        raise ConfigError(" ".join(lines[:2] if len(lines) > 1 and "+" in lines[1] else lines[:1])) from None
     print(OmegaConf.to_yaml(merged), end="")
     return True
 

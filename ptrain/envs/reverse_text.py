@@ -100,8 +100,10 @@ def make_text(rng: random.Random, min_chars: int, max_chars: int) -> str | None:
 
 def similarity(answer: str, target: str) -> float:
     """difflib.SequenceMatcher(None, answer, target).ratio(): 2 x matched characters / total
-    characters, in [0, 1], 1 only when answer == target."""
-    return difflib.SequenceMatcher(None, answer, target).ratio()
+    characters, in [0, 1], 1 only when answer == target. Without difflib's autojunk, which
+    from 200 characters on treats the commonest letters and the space as junk and would
+    distort the reward of long texts (prime-rl's texts are shorter, where both agree)."""
+    return difflib.SequenceMatcher(None, answer, target, autojunk=False).ratio()
 
 
 def judge_reverse_text(answer: str, data: dict[str, Any]) -> float:

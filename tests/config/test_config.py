@@ -269,6 +269,42 @@ def test_every_published_scale_composes_and_its_launch_names_the_model(recipe):
     assert f"recipe={recipe} scale=published model.hf_path=" in header
 
 
+def _published_launch(header: str, recipe: str) -> list[str]:
+    """The overrides of the header's launch line that runs the published scale, its `\\`
+    continuations joined."""
+    import shlex
+
+    lines = [line.lstrip("#").strip() for line in header.splitlines() if line.startswith("#")]
+    start = next(i for i, line in enumerate(lines) if f"recipe={recipe} scale=published model.hf_path=" in line)
+    text = ""
+    for line in lines[start:]:
+        text += " " + line.split("python -m ptrain", 1)[-1].rstrip("\\").strip()
+        if not line.endswith("\\"):
+            break
+    # N stands for a count the user chooses (train.steps=N)
+    return [w[:-1] + "1" if w.endswith("=N") else w for w in shlex.split(text) if "=" in w]
+
+
+# nemotron_like's launch line is a pattern over its six environments (envs.<name>.options.url=...);
+# test_nemotron_like_published_scale_names_every_value_its_launch_must_give covers what it must give.
+@pytest.mark.parametrize("recipe", [r for r in _recipes_with_a_published_scale() if r != "nemotron_like"])
+def test_every_published_launch_line_in_a_header_composes_with_nothing_left_to_give(recipe):
+    """The header's published launch, placeholders as written (DIR, http://HOST:PORT, X.jsonl):
+    Hydra takes every override as written ("+" where a key is only the scale's) and no value
+    is left at ??? (files are not read here; a launch checks them)."""
+    from importlib import resources
+
+    from omegaconf import OmegaConf
+
+    from ptrain.config.run import apply_scale
+
+    header = (resources.files("ptrain.conf") / "recipe" / f"{recipe}.yaml").read_text()
+    args = _published_launch(header, recipe)
+    assert f"recipe={recipe}" in args and "scale=published" in args
+    merged = apply_scale(OmegaConf.merge(OmegaConf.structured(RunConfig), composed(*args)), args)
+    assert not OmegaConf.missing_keys(merged), f"{recipe}: the launch line leaves {OmegaConf.missing_keys(merged)}"
+
+
 def test_nemotron_like_published_scale_names_every_value_its_launch_must_give():
     """Nano's settings compose without the model, the fleet or the data present; validating
     them names each missing value, with "+" where the key is one only the scale adds."""

@@ -331,8 +331,13 @@ def test_optuna_search_without_a_usable_objective_stops_at_the_first_trial(tmp_p
     out = cli(*search, f"hydra.sweep.dir={tmp_path / 'none'}", check=False)
     assert out.returncode == 2 and "config key 'objective': recipe 'sft_arithmetic' declares none" in out.stderr
     assert not (tmp_path / "none" / "job0" / "stages").exists() and not (tmp_path / "none" / "job1").exists()
-    out = cli(*search, "objective=eval/nope", f"hydra.sweep.dir={tmp_path / 'wrong'}", check=False)
+    wrong = ["objective=eval/nope", "hydra.sweeper.direction=minimize", f"hydra.sweep.dir={tmp_path / 'wrong'}"]
+    out = cli(*search, *wrong, check=False)
     assert out.returncode == 2 and "'eval/nope' is not a final metric of the last stage 'sft'" in out.stderr
     assert "pass one of " in out.stderr and "eval/loss" in out.stderr, out.stderr[-2000:]
     assert (tmp_path / "wrong" / "job0" / "stages" / "sft" / "DONE.json").is_file()
     assert not (tmp_path / "wrong" / "job1").exists()
+    # a declared objective, but no direction: optuna would minimise an accuracy
+    out = cli(*search[:1], "recipe=countdown_zero", *search[2:], f"hydra.sweep.dir={tmp_path / 'nodir'}", check=False)
+    assert out.returncode == 2 and "without a direction" in out.stderr and "direction=maximize" in out.stderr
+    assert not (tmp_path / "nodir" / "job0" / "stages").exists()
