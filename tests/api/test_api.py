@@ -45,9 +45,10 @@ def test_compose_gives_the_typed_config_the_cli_composes():
     "recipe, overrides, message",
     [
         (
-            "zephyr",
+            "alpaca_farm",
             [],
-            r"no recipe 'zephyr'; pass one of continuous, dapo, deepseek_r1_zero, dr_grpo, eval, gspo, nemotron_like, sft_arithmetic",
+            r"no recipe 'alpaca_farm'; pass one of continuous, countdown_zero, dapo, deepseek_r1_zero, dr_grpo, eval, gspo, "
+            r"nemotron_like, reverse_text, sft_arithmetic",
         ),
         ("sft_arith", [], r"did you mean sft_arithmetic"),
         ("sft_arithmetic", ["trian.steps=3"], r"config key 'trian'.*Valid keys here: name, run_dir"),
@@ -110,7 +111,11 @@ def test_one_stage_of_a_kind_from_a_recipe_a_config_or_the_defaults(tmp_path):
 
 
 def test_the_cli_refuses_an_unknown_recipe_in_one_line_before_hydra(tmp_path):
-    for args in (["recipe=nemotron_zz"], ["recipe=zephyr", "--cfg", "job"], ["-m", "recipe=sft_arithmetic,zephyr"]):
+    for args in (
+        ["recipe=nemotron_zz"],
+        ["recipe=alpaca_farm", "--cfg", "job"],
+        ["-m", "recipe=sft_arithmetic,alpaca_farm"],
+    ):
         p = subprocess.run([sys.executable, "-m", "ptrain", *args], capture_output=True, text=True, cwd=tmp_path)
         assert p.returncode == 2, p.stderr
         lines = p.stderr.strip().splitlines()
