@@ -38,7 +38,6 @@ are drawn first, so the held-out split does not change with n_train.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import random
 import re
@@ -48,7 +47,7 @@ from typing import Any
 
 from ptrain.config.env_verifiable import IF_CONFLICTS
 from ptrain.envs.base import Task
-from ptrain.envs.single_turn import Score, SingleTurnEnv, draw_distinct
+from ptrain.envs.single_turn import SingleTurnEnv, draw_distinct
 
 TOPICS = (
     "lighthouses", "the history of tea", "urban gardening", "learning a new language", "volcanoes",
@@ -413,6 +412,7 @@ class InstructionFollowingEnv(SingleTurnEnv):
     kind = "instruction_following"
     judge = staticmethod(judge_instruction_following)
     extra_metrics = ("all_met",)
+    full_credit_metric = "all_met"
 
     def make_tasks(self, seed: int) -> tuple[list[Task], list[Task]]:
         o = self.options
@@ -474,10 +474,3 @@ class InstructionFollowingEnv(SingleTurnEnv):
         rules = "; ".join(RULES[c["family"]](c["args"]) for c in constraints)
         reasoning = f"{request} Rules: {rules}."
         return [{"role": "assistant", "content": f"<think>{reasoning}</think>{response}"}]
-
-    async def score(self, task: Task, text: str) -> Score:
-        """The base score, plus metric all_met: 1 when the response met every constraint."""
-        out = await super().score(task, text)
-        if out.reward_error is None and out.metrics.get("formatted"):
-            out = dataclasses.replace(out, metrics={**out.metrics, "all_met": float(out.metrics["correct"] >= 1.0)})
-        return out

@@ -24,13 +24,12 @@ solved tasks and eval accuracy count exact reversals only: they need correct >= 
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import random
 from typing import Any
 
 from ptrain.envs.base import Task
-from ptrain.envs.single_turn import Score, SingleTurnEnv, draw_distinct, extract_tag
+from ptrain.envs.single_turn import SingleTurnEnv, draw_distinct, extract_tag
 
 TAG = "reversed_text"
 """The answer's tag: <reversed_text>...</reversed_text>."""
@@ -125,6 +124,7 @@ class ReverseTextEnv(SingleTurnEnv):
     kind = "reverse_text"
     judge = staticmethod(judge_reverse_text)
     extra_metrics = ("exact",)
+    full_credit_metric = "exact"
 
     def make_tasks(self, seed: int) -> tuple[list[Task], list[Task]]:
         o = self.options
@@ -150,13 +150,6 @@ class ReverseTextEnv(SingleTurnEnv):
 
     def extract(self, task: Task, text: str) -> str | None:
         return extract_tag(text, TAG)
-
-    async def score(self, task: Task, text: str) -> Score:
-        """The base score, plus metric exact: 1 when the answer is the reversed text."""
-        out = await super().score(task, text)
-        if out.reward_error is None and out.metrics.get("formatted"):
-            out = dataclasses.replace(out, metrics={**out.metrics, "exact": float(out.metrics["correct"] >= 1.0)})
-        return out
 
     def demonstration(self, task: Task) -> list[dict[str, Any]]:
         """The turns a correct policy writes for `task` (after task.messages): one assistant

@@ -156,6 +156,10 @@ class SingleTurnEnv(TaskSplits):
     """Module-level function (picklable) that grades an extracted answer: a number in [0, 1]."""
     extra_metrics: ClassVar[tuple[str, ...]] = ()
     """Kind-specific metrics, 0 in episodes that were not scored."""
+    full_credit_metric: ClassVar[str | None] = None
+    """For a judge whose value is a fraction (constraints met, similarity): the name of a
+    metric that is 1 when a formatted answer was judged wholly right (value 1). List it in
+    extra_metrics too."""
     component_names: ClassVar[tuple[str, str]] = ("format", "correct")
     warm_modules: ClassVar[tuple[str, ...]] = ()
     """Modules the judge needs, imported by every reward worker before the first judgement,
@@ -278,6 +282,8 @@ class SingleTurnEnv(TaskSplits):
             fmt: self.options.format_reward * float(formatted),
             correct: self.options.correct_reward * float(value),
         }
+        if self.full_credit_metric:
+            metrics = {**metrics, self.full_credit_metric: float(formatted and value >= 1.0)}
         out = self.unscored(correct=value, formatted=float(formatted), **metrics)
         return Score(sum(components.values()), components, out.metrics)
 
