@@ -684,6 +684,14 @@ def test_a_refused_seed_names_the_status_and_the_servers_reason(tok, session_sta
     assert t.error.startswith(f"POST {session_state.url}/seed_session answered 422") and "initial_count" in t.error
 
 
+class _LoopbackServer(ThreadingHTTPServer):
+    """The standard library's threading server with a listen backlog like uvicorn's (2048)
+    rather than its 5: a batch opens a connection per episode at once, and a full accept
+    queue on a loaded machine can stall or drop some of them before a handler sees them."""
+
+    request_queue_size = 2048
+
+
 class _MisbehavingServer(BaseHTTPRequestHandler):
     """A resources server on loopback that answers each row as its "misbehave" field says."""
 
@@ -739,7 +747,7 @@ def test_a_server_that_answers_garbage_or_drops_the_connection_fails_only_those_
     rows.write_text("".join(json.dumps({"responses_create_params": {"input": f"row {how}",
                                         **({"tools": tools} if how == "tool_deep_json" else {})},
                                         "misbehave": how}) + "\n" for how in cases))  # fmt: skip
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _MisbehavingServer)
+    server = _LoopbackServer(("127.0.0.1", 0), _MisbehavingServer)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -801,7 +809,7 @@ def test_an_unforeseen_failure_reading_an_answer_fails_only_its_episode(tok, tmp
         return read(answer, sent, **kw)
 
     monkeypatch.setattr(nemo_gym, "read_verdict", strict_read)
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _MisbehavingServer)
+    server = _LoopbackServer(("127.0.0.1", 0), _MisbehavingServer)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
