@@ -226,7 +226,7 @@ class ReverseTextOptions:
 
 MATH_FAMILIES = ("linear", "fractions", "word")
 """Generated math task families: linear equations, fraction arithmetic, word problems."""
-MATH_ANSWER_FORMATS = ("boxed", "answer_tag")
+MATH_ANSWER_FORMATS = ("boxed", "answer_tag", "think_answer")
 
 
 @register_options("math")
@@ -245,10 +245,14 @@ class MathOptions:
     eval_path: str | None = None
     """JSONL rows of the held-out split (same fields); null: from path as above."""
     answer_format: str = "boxed"
-    """What the prompt asks for: boxed (\\boxed{...}) or answer_tag (<answer>...</answer>).
-    Both are accepted when scoring."""
+    """What the prompt asks for: boxed (\\boxed{...}), answer_tag (<answer>...</answer>), or
+    think_answer (DeepSeek-R1's template: the reasoning in <think>...</think>, then the answer
+    in <answer>...</answer>, and nothing else). Any extractable answer is graded for
+    correctness; with think_answer, only a completion of exactly that shape counts as
+    formatted."""
     format_reward: float = 0.0
-    """Reward component `format` (>= 0) for a completion with an extractable final answer."""
+    """Reward component `format` (>= 0) for a formatted completion: one with an extractable
+    final answer, and with answer_format think_answer one of R1's shape."""
     correct_reward: float = 1.0
     """Reward component `correct` (>= 0) for an answer equivalent to the reference."""
 

@@ -19,11 +19,16 @@ problems from templates) or JSONL rows {"question", "answer"} (options.path), op
 `demonstration(task)` writes the SFT row of a task: the working as reasoning (a generated
 task's computation, kept in task.data["solution"] and never shown to the policy), then the
 answer in the prompt's format.
+
+answer_format think_answer asks for DeepSeek-R1-Zero's template, reasoning in <think></think>
+and then the answer in <answer></answer>: the `format` component pays only a completion of
+exactly that shape (R1's format reward), while correctness is graded from any answer found.
 """
 
 from __future__ import annotations
 
 import random
+import re
 from fractions import Fraction
 from functools import lru_cache
 from typing import Any
@@ -32,6 +37,12 @@ from ptrain.envs.base import Task
 from ptrain.envs.single_turn import SingleTurnEnv, extract_tag
 
 _BOXED = ("\\boxed", "\\fbox")
+
+THINK_ANSWER = re.compile(
+    r"\s*<think>(?:(?!</?think>).)*</think>\s*<answer>(?:(?!</?answer>).)*</answer>\s*", re.DOTALL
+)
+"""DeepSeek-R1's completion shape (answer_format think_answer): one <think> block, then one
+<answer> block, nothing around them but whitespace."""
 
 
 def last_boxed(text: str) -> str | None:
@@ -235,6 +246,8 @@ class MathEnv(SingleTurnEnv):
     def instruction(self) -> str:
         if self.options.answer_format == "boxed":
             return "Put your final answer in \\boxed{}."
+        if self.options.answer_format == "think_answer":
+            return "Reason inside <think></think> tags, then put your final answer inside <answer></answer> tags."
         return "Put your final answer inside <answer></answer> tags."
 
     def make_tasks(self, seed: int) -> tuple[list[Task], list[Task]]:
@@ -278,6 +291,9 @@ class MathEnv(SingleTurnEnv):
 
     def extract(self, task: Task, text: str) -> str | None:
         return extract_math_answer(text)
+
+    def follows_format(self, task: Task, text: str) -> bool:
+        return self.options.answer_format != "think_answer" or THINK_ANSWER.fullmatch(text) is not None
 
     def judge_args(self, task: Task, answer: str) -> tuple:
         return (answer, task.data["answer"])

@@ -16,7 +16,7 @@ the task id), and scores every sample's decoded text:
      that raises, hangs, crashes or returns something else scores 0 with `reward_error`
      set, is logged and counted (`stats["reward_errors"]`), and the other samples go on;
   3. reward = format_reward * formatted + correct_reward * judged value, as the components
-     `format` and `correct`.
+     `format` and `correct` (formatted: the answer was there, and `follows_format` holds).
 
 A sample that hit the token limit (finish "length") is not scored unless
 env.score_truncated: reward 0, metric truncated=1. An aborted one gets reward 0, aborted=1.
@@ -265,6 +265,12 @@ class SingleTurnEnv(TaskSplits):
         """The answer in `text` that the judge grades, or None when there is none."""
         raise NotImplementedError
 
+    def follows_format(self, task: Task, text: str) -> bool:
+        """Whether a completion with an extractable answer also has the shape the prompt asked
+        for (the `format` component and metric `formatted`); by default having the answer is
+        enough. A kind with a stricter template says so here; its answer is graded either way."""
+        return True
+
     def judge_args(self, task: Task, answer: Any) -> tuple:
         """Arguments of `judge` (picklable): by default the answer and the task's data."""
         return (answer, dict(task.data))
@@ -308,7 +314,7 @@ class SingleTurnEnv(TaskSplits):
         value = outcome.reward
         if not 0.0 <= value <= 1.0 or math.isnan(value):
             return self.failed(task, f"judge returned {value}, outside [0, 1]")
-        return self.scored(True, value)
+        return self.scored(self.follows_format(task, text), value)
 
     # ------------------------------------------------------------------ rollout
 

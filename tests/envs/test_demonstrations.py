@@ -31,6 +31,7 @@ SINGLE_TURN = {
     "arithmetic": ("arithmetic", {"ops": ["+", "-", "*"], "format_reward": 0.25}),
     "math": ("math", {}),
     "math_answer_tag": ("math", {"answer_format": "answer_tag"}),
+    "math_think_answer": ("math", {"answer_format": "think_answer", "format_reward": 1.0}),
     "mcqa": ("mcqa", {"format_reward": 0.2, "correct_reward": 0.8}),
     "structured_output": ("structured_output", {"format_reward": 0.1}),
     "long_context": ("long_context", {"context_tokens": 1024, "format_reward": 0.1}),

@@ -171,3 +171,39 @@ def test_worker_thread_scores_correct_one_and_cuts_a_hang(tok):
         assert again[0].reward == 1.0
     finally:
         env.close()
+
+
+def test_think_answer_pays_format_only_for_r1s_shape(tok):
+    """answer_format think_answer (DeepSeek-R1-Zero's template): the prompt asks for the
+    reasoning in <think></think> and then the answer in <answer></answer>; the format reward is
+    paid only for exactly that shape, and the answer is graded for correctness either way."""
+    env = make_env(
+        EnvConfig(
+            kind="math",
+            n_train=4,
+            n_eval=0,
+            options={"answer_format": "think_answer", "format_reward": 1.0, "correct_reward": 1.0},
+        ),
+        tokenizer=tok,
+    )
+    try:
+        (task, *_) = env.tasks("train", seed=0)
+        assert "<think></think>" in task.messages[0]["content"] and "<answer></answer>" in task.messages[0]["content"]
+        (demo,) = env.demonstration(task)
+        right, wrong = task.data["answer"], "-987654"
+        texts = [
+            demo["content"],  # what SFT would teach: both parts
+            f"<think>so</think>\n<answer>{wrong}</answer>\n",  # the shape, a wrong answer
+            f"<answer>{right}</answer>",  # right, no reasoning block
+            f"<think>a</think><think>b</think><answer>{right}</answer>",  # two reasoning blocks
+            f"<think>so</think><answer>{right}</answer> trailing words",
+            "<think>no answer</think>",
+        ]
+        out = asyncio.run(env.rollout(task, ReplayEngine(texts, tokenizer=tok), SamplingParams(n=len(texts))))
+        got = [(t.reward_components["format"], t.reward_components["correct"]) for t in out]
+        assert got == [(1.0, 1.0), (1.0, 0.0), (0.0, 1.0), (0.0, 1.0), (0.0, 1.0), (0.0, 0.0)]
+        assert [t.metrics["formatted"] for t in out] == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    finally:
+        env.close()
+    with pytest.raises(EnvConfigError, match="'boxed', 'answer_tag', 'think_answer'"):
+        validate_env_config(EnvConfig(kind="math", options={"answer_format": "think"}))
