@@ -10,8 +10,9 @@ Where the values come from, first match wins, key by key:
   2. the environment: PTRAIN_NUM_PROCESSES, PTRAIN_PROCESS_ID, PTRAIN_COORDINATOR (what
      `tools/launch_local.py` sets for each process it starts);
   3. a launcher, when all three are null: an srun step of a Slurm job with SLURM_NTASKS > 1,
-     an Open MPI job (mpirun -np N with N > 1), a TPU slice of several hosts on GKE, or a
-     Kubernetes JobSet, which `jax.distributed.initialize()` reads by itself; or a job of submitit's local executor with more than one task (Hydra's
+     an Open MPI job (mpirun -np N with N > 1), a TPU slice of several hosts on GKE or on
+     Compute Engine TPU VMs, or a Kubernetes JobSet, which `jax.distributed.initialize()`
+     reads by itself; or a job of submitit's local executor with more than one task (Hydra's
      `hydra/launcher=submitit_local`), whose ranks come from its SUBMITIT_LOCAL_* variables
      and whose coordinator is on loopback (submitit on Slurm runs srun, which is the first);
   4. otherwise one process.
@@ -129,7 +130,54 @@ class DistributedPlan:
     """The detected launcher, for messages (auto mode)."""
 
 
-def detect_launcher(environ: Mapping[str, str] = os.environ) -> tuple[str | None, int | None]:
+PCI_DEVICES = "/sys/bus/pci/devices"
+GOOGLE_PCI_VENDOR = "0x1ae0"
+TPU_PCI_DEVICES = frozenset({"0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f", "0x0076"})
+"""PCI device ids of Cloud TPU chips (vendor Google), v3 to TPU7x: the list JAX checks before
+it asks the metadata server. Google's other PCI functions (the gVNIC network card of every
+Compute Engine VM) share the vendor id, so the vendor alone says nothing."""
+
+
+def tpu_chips_on_pci(root: str = PCI_DEVICES) -> int:
+    """TPU chips attached to this host, read from sysfs (0 where there is no sysfs)."""
+    chips = 0
+    try:
+        functions = os.listdir(root)
+    except OSError:
+        return 0
+    for function in functions:
+        try:
+            with open(os.path.join(root, function, "vendor")) as f:
+                vendor = f.read().strip()
+            with open(os.path.join(root, function, "device")) as f:
+                device = f.read().strip()
+        except OSError:
+            continue
+        chips += vendor == GOOGLE_PCI_VENDOR and device in TPU_PCI_DEVICES
+    return chips
+
+
+def gce_tpu_workers(environ: Mapping[str, str] = os.environ, timeout_s: float = 5.0) -> int:
+    """Hosts of this TPU VM's slice: the entries of the metadata attribute
+    worker-network-endpoints (GCE_METADATA_IP overrides the server's address, as for JAX).
+    0 when the server does not answer, or answers without the attribute: a TPU VM outside a
+    slice, or a machine that is not on Compute Engine."""
+    import httpx
+
+    host = environ.get("GCE_METADATA_IP", "metadata.google.internal")
+    url = f"http://{host}/computeMetadata/v1/instance/attributes/worker-network-endpoints"
+    try:
+        reply = httpx.get(url, headers={"Metadata-Flavor": "Google"}, timeout=timeout_s)
+    except httpx.HTTPError:
+        return 0
+    if reply.status_code != 200:
+        return 0
+    return len([w for w in reply.text.split(",") if w.strip()])
+
+
+def detect_launcher(
+    environ: Mapping[str, str] = os.environ, pci_root: str | None = None
+) -> tuple[str | None, int | None]:
     """(launcher name, number of processes or None where the environment does not say) of a
     multi-process launch that `jax.distributed.initialize()` configures itself; (None, None)
     otherwise.
@@ -138,8 +186,10 @@ def detect_launcher(environ: Mapping[str, str] = os.environ) -> tuple[str | None
     a one-task script in a many-task allocation stays one process. Open MPI: JAX reads
     OMPI_MCA_orte_hnp_uri, which mpirun sets. A TPU slice of several hosts on GKE: the worker
     list GKE sets, one process per host. A Kubernetes JobSet: JAX finds the other pods through
-    the Kubernetes API. A TPU VM slice on Compute Engine is not seen here (JAX asks the
-    metadata server): pass the three keys, or set TPU_WORKER_HOSTNAMES.
+    the Kubernetes API. TPU VMs of a slice on Compute Engine: only on a host with TPU chips
+    on its PCI bus is the metadata server asked for the slice's workers (as JAX does), so no
+    other machine waits on the network; several slices (Multislice, MEGASCALE_NUM_SLICES)
+    multiply the count.
     """
 
     def count(var: str) -> int:
@@ -155,6 +205,12 @@ def detect_launcher(environ: Mapping[str, str] = os.environ) -> tuple[str | None
     hosts = [h for h in environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
     if len(hosts) > 1:
         return f"TPU slice on GKE ({len(hosts)} hosts in TPU_WORKER_HOSTNAMES)", len(hosts)
+    if not environ.get("TPU_SKIP_MDS_QUERY") and tpu_chips_on_pci(pci_root or PCI_DEVICES):
+        workers = gce_tpu_workers(environ)
+        if workers > 1:
+            slices = count("MEGASCALE_NUM_SLICES")
+            across = f" x {slices} slices" if slices > 1 else ""
+            return f"TPU VM slice on Compute Engine ({workers} hosts{across} in its metadata)", workers * slices
     if environ.get("KUBERNETES_SERVICE_HOST") and environ.get("JOBSET_NAME"):
         # JAX asks the Kubernetes API for the JobSet's pods (pip install "jax[k8s]")
         return f"Kubernetes JobSet {environ['JOBSET_NAME']!r}", None

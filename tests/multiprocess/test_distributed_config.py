@@ -1,11 +1,15 @@
 """The `distributed` group: where the process count and rank come from, and the mistakes that
 stop a run before JAX starts (each naming the key or variable and the fix). No JAX here."""
 
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
 import pytest
 
 from ptrain import compose
 from ptrain.config import ConfigError
-from ptrain.config.distributed import DistributedConfig, detect_launcher
+from ptrain.config.distributed import DistributedConfig, detect_launcher, gce_tpu_workers, tpu_chips_on_pci
 
 RANKS = {"PTRAIN_COORDINATOR": "127.0.0.1:12355", "PTRAIN_NUM_PROCESSES": "2", "PTRAIN_PROCESS_ID": "1"}
 
@@ -13,7 +17,8 @@ RANKS = {"PTRAIN_COORDINATOR": "127.0.0.1:12355", "PTRAIN_NUM_PROCESSES": "2", "
 @pytest.fixture(autouse=True)
 def no_launcher(monkeypatch):
     """The test machine may itself run under Slurm or mpirun: start from a plain environment."""
-    for var in (*RANKS, "SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "OMPI_MCA_orte_hnp_uri"):
+    for var in (*RANKS, "SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "OMPI_MCA_orte_hnp_uri",
+                "TPU_SKIP_MDS_QUERY", "MEGASCALE_NUM_SLICES"):  # fmt: skip
         monkeypatch.delenv(var, raising=False)
 
 
@@ -55,6 +60,73 @@ def test_a_tpu_slice_on_gke_and_a_kubernetes_jobset_are_left_to_jax():
     jobset = DistributedConfig().resolve({"KUBERNETES_SERVICE_HOST": "10.0.0.1", "JOBSET_NAME": "train"})
     assert (jobset.mode, jobset.num_processes) == ("auto", None) and "JobSet" in jobset.launcher
     assert DistributedConfig().resolve({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}).mode == "single"  # a lone pod
+
+
+class _Metadata(BaseHTTPRequestHandler):
+    """Compute Engine's metadata server on loopback: the slice's workers, to a request that
+    carries the Metadata-Flavor header (the real server refuses others with 403)."""
+
+    workers = "w-0,w-1,w-2,w-3"
+    asked: list[str] = []
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        type(self).asked.append(self.path)
+        found = self.path == "/computeMetadata/v1/instance/attributes/worker-network-endpoints" and self.workers
+        status = 403 if self.headers.get("Metadata-Flavor") != "Google" else 200 if found else 404
+        body = self.workers.encode() if status == 200 else b"no"
+        self.send_response(status)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def _pci(root, *functions) -> str:
+    """A sysfs PCI device folder holding (vendor, device) functions."""
+    for i, (vendor, device) in enumerate(functions):
+        (root / f"0000:00:{i:02x}.0").mkdir(parents=True)
+        (root / f"0000:00:{i:02x}.0" / "vendor").write_text(vendor + "\n")
+        (root / f"0000:00:{i:02x}.0" / "device").write_text(device + "\n")
+    return str(root)
+
+
+def test_a_tpu_vm_slice_on_compute_engine_is_found_through_its_metadata_server(tmp_path, monkeypatch):
+    """A host with TPU chips on its PCI bus asks the metadata server for its slice's workers;
+    a host without (every other machine, including Compute Engine VMs, whose gVNIC shares
+    Google's vendor id) never asks, and takes no network time."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Metadata)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        env = {"GCE_METADATA_IP": f"127.0.0.1:{server.server_address[1]}"}
+        gvnic = ("0x1ae0", "0x0042")
+        tpu_v5e = _pci(tmp_path / "tpu", gvnic, *[("0x1ae0", "0x0063")] * 4)
+        assert tpu_chips_on_pci(tpu_v5e) == 4 and tpu_chips_on_pci(str(tmp_path / "absent")) == 0
+        launcher, count = detect_launcher(env, pci_root=tpu_v5e)
+        assert count == 4 and launcher == "TPU VM slice on Compute Engine (4 hosts in its metadata)"
+        assert detect_launcher(dict(env, MEGASCALE_NUM_SLICES="2"), pci_root=tpu_v5e)[1] == 8  # Multislice
+        monkeypatch.setattr("ptrain.config.distributed.PCI_DEVICES", tpu_v5e)
+        plan = DistributedConfig().resolve(env)
+        assert (plan.mode, plan.num_processes) == ("auto", 4) and "Compute Engine" in plan.launcher
+        _Metadata.asked.clear()
+        assert detect_launcher(dict(env, TPU_SKIP_MDS_QUERY="1"), pci_root=tpu_v5e) == (None, None)
+        assert detect_launcher(env, pci_root=_pci(tmp_path / "vm", gvnic, ("0x10de", "0x2335"))) == (None, None)
+        assert _Metadata.asked == []  # neither asked the server
+        for workers in ("w-0", ""):  # a single-host TPU VM; a VM outside any slice (404)
+            monkeypatch.setattr(_Metadata, "workers", workers)
+            assert DistributedConfig().resolve(env).mode == "single"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    # no metadata server at all (a TPU host off Compute Engine): one process, within the timeout
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    assert gce_tpu_workers({"GCE_METADATA_IP": f"127.0.0.1:{port}"}, timeout_s=2.0) == 0
 
 
 def test_a_submitit_local_job_of_several_tasks_gets_its_ranks_and_a_loopback_coordinator():
