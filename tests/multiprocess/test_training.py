@@ -98,10 +98,12 @@ def assert_same_run(got_dir, want_dir, stages=("sft", "dpo"), keys=None):
             )
 
 
-def cut(src, dst, stage: str, at: int) -> None:
+def cut(src, dst, stage: str, at: int, later: tuple[str, ...] = ()) -> None:
     """A copy of a finished run as if it had stopped right after the checkpoint of step `at` of
-    `stage`, its last stage."""
+    `stage`: the stages named in `later` (those after it) never ran."""
     shutil.copytree(src, dst)
+    for name in later:
+        shutil.rmtree(dst / "stages" / name)
     sdir = dst / "stages" / stage
     for name in ("DONE.json", "export"):
         p = sdir / name
