@@ -20,7 +20,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from ptrain.config import ConfigError, register_configs, to_run_config
 from ptrain.config.recipes import check_recipe, recipes_named
@@ -86,17 +86,39 @@ def _stop_search(problem: str) -> None:
     _exit(2)
 
 
+class TrialFailed(RuntimeError):
+    """A trial of a search that ended with one of ptrain's errors: raised (not returned) so
+    that the sweeper records the trial as failed with this message and samples the next."""
+
+
 def _fail(kind: str, e: BaseException, code: int) -> dict:
     """A mistake the user fixes in the command, config or data: one message, no traceback
     (HYDRA_FULL_ERROR=1 shows it, as for Hydra's own errors). In a sweep the job's result
-    is the error, so the other jobs still run and the summary lists it."""
+    is the error, so the other jobs still run and the summary lists it. In a search, a trial
+    whose settings are not a valid config stops the search (the space holds invalid points:
+    narrow it), and any other failure fails that trial alone."""
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         raise e
     message = f"ptrain: {kind}: {e}"
+    if _optuna_sweep():
+        if kind == "config error":
+            print(f"{message} (in a trial of the search, with overrides {_trial_overrides()}); every point of "
+                  "the search space must be a valid config: narrow the space, then search again", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            _exit(2)
+        print(message, file=sys.stderr, flush=True)
+        raise TrialFailed(message) from None
     print(message, file=sys.stderr, flush=True)
     if _multirun():
         return {"error": message}
     _exit(code)
+
+
+def _trial_overrides() -> str:
+    try:
+        return " ".join(HydraConfig.get().overrides.task)
+    except ValueError:
+        return "?"
 
 
 def _exit(code: int) -> None:
@@ -218,17 +240,34 @@ class SweepSummary(Callback):
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         try:
             value = job_return.return_value
+        except TrialFailed as e:
+            value = {"error": str(e)}
         except Exception as e:  # the job raised: keep the error for the summary
             value = {"error": f"{type(e).__name__}: {e}"}
         self.jobs.append((list(job_return.overrides or []), value))
+        hydra_cfg = getattr(job_return, "hydra_cfg", None)
+        trials = OmegaConf.select(hydra_cfg, "hydra.sweeper.n_trials") if hydra_cfg is not None else None  # a search
+        if trials and len(self.jobs) == trials and all(isinstance(v, dict) and "error" in v for _, v in self.jobs):
+            # optuna would end with a traceback ("No trials are completed yet"): say it plainly
+            self.report(hydra_cfg.hydra.sweep.dir)
+            print(f"ptrain: every one of the search's {trials} trials failed (above), so it has no best trial; "
+                  "fix what the messages name, then search again", file=sys.stderr, flush=True)  # fmt: skip
+            sys.exit(1)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if not self.jobs:
             return
-        table = os.path.join(config.hydra.sweep.dir, "sweep_summary.jsonl")
-        lines = [f"\nSweep summary ({len(self.jobs)} jobs, folders under {config.hydra.sweep.dir}; {table}):"]
+        failed = self.report(config.hydra.sweep.dir)
+        if failed:
+            print(f"ptrain: {failed} of {len(self.jobs)} sweep jobs failed (above)", file=sys.stderr, flush=True)
+            sys.exit(1)
+
+    def report(self, sweep_dir: str) -> int:
+        """Print the table and write sweep_summary.jsonl; the number of failed jobs."""
+        table = os.path.join(sweep_dir, "sweep_summary.jsonl")
+        lines = [f"\nSweep summary ({len(self.jobs)} jobs, folders under {sweep_dir}; {table}):"]
         failed = 0
-        os.makedirs(config.hydra.sweep.dir, exist_ok=True)
+        os.makedirs(sweep_dir, exist_ok=True)
         with open(table, "w") as f:
             for i, (overrides, value) in enumerate(self.jobs):
                 shown = value
@@ -238,6 +277,4 @@ class SweepSummary(Callback):
                 lines.append(f"  job{i}  {' '.join(overrides)}  ->  {json.dumps(shown, default=str)}")
                 f.write(json.dumps({"job": i, "overrides": overrides, "result": value}, default=str) + "\n")
         print("\n".join(lines), flush=True)
-        if failed:
-            print(f"ptrain: {failed} of {len(self.jobs)} sweep jobs failed (above)", file=sys.stderr, flush=True)
-            sys.exit(1)
+        return failed

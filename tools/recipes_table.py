@@ -209,7 +209,10 @@ def render() -> str:
         "Each trial returns the recipe's `objective` (the column above: one of the last stage's final",
         "metrics; `objective=KEY` picks another) and the best trial is written to",
         "`optimization_results.yaml` in the sweep folder. A search without an objective, or with one",
-        "the last stage does not report, stops at its first trial and says which keys there are.",
+        "the last stage does not report, stops at its first trial and says which keys there are. So",
+        "does a trial whose sampled settings are not a valid config (narrow the space). A trial that",
+        "fails while training (a loss that turns NaN) is a failed trial and the search goes on; when",
+        "every trial failed, it ends with their reasons.",
     ]
     return "\n".join(lines) + "\n"
 

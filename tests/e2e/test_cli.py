@@ -341,3 +341,22 @@ def test_optuna_search_without_a_usable_objective_stops_at_the_first_trial(tmp_p
     out = cli(*search[:1], "recipe=countdown_zero", *search[2:], f"hydra.sweep.dir={tmp_path / 'nodir'}", check=False)
     assert out.returncode == 2 and "without a direction" in out.stderr and "direction=maximize" in out.stderr
     assert not (tmp_path / "nodir" / "job0" / "stages").exists()
+
+
+@pytest.mark.slow
+def test_a_search_whose_trials_fail_says_why_without_a_traceback(tmp_path):
+    """A trial whose sampled settings are not a valid config stops the search at once (the
+    space must be narrowed); a trial that fails while training is a failed trial, and when
+    every trial failed the search ends with the reasons instead of optuna's "No trials are
+    completed yet" traceback."""
+    search = ["-m", "recipe=sft_arithmetic", "scale=smoke", "objective=eval/loss", "hydra/sweeper=optuna",
+              "hydra.sweeper.direction=minimize", "logging.console=false", "logging.tensorboard=false"]  # fmt: skip
+    out = cli(*search, "hydra.sweeper.n_trials=2", "optim.lr=choice(-1.0,-2.0)",
+              f"hydra.sweep.dir={tmp_path / 'invalid'}", check=False)  # fmt: skip
+    assert out.returncode == 2 and "config key 'optim.lr': must be > 0" in out.stderr, out.stderr[-2000:]
+    assert "narrow the space" in out.stderr and "Traceback" not in out.stderr
+    out = cli(*search, "hydra.sweeper.n_trials=1", "optim.lr=1e30", f"hydra.sweep.dir={tmp_path / 'nan'}", check=False)
+    assert out.returncode == 1 and "loss is nan at step" in out.stdout + out.stderr
+    assert "every one of the search's 1 trials failed" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    (row,) = [json.loads(line) for line in (tmp_path / "nan" / "sweep_summary.jsonl").read_text().splitlines()]
+    assert "loss is nan" in row["result"]["error"]
