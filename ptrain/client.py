@@ -35,6 +35,7 @@ share one copy of the base: `base = ptrain.client.load_base(path)`, then
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import shutil
 from collections.abc import Callable, Mapping, Sequence
@@ -474,7 +475,9 @@ class TrainingClient:
                 f"datum {i} has {lengths[i]} tokens, more than the model's context of {self.cfg.max_seq_len}; "
                 "shorten or split it"
             )
-        dp = self.mesh.shape.get("data", 1) * self.mesh.shape.get("fsdp", 1)
+        from ptrain.parallel import BATCH_AXES
+
+        dp = math.prod(self.mesh.shape.get(a, 1) for a in BATCH_AXES)  # the rows batch_sharding splits
         rows = _pow2(len(data))
         rows = -(-rows // dp) * dp
         width = max(_pow2(max(lengths)), 8)

@@ -15,8 +15,8 @@ Per stage the table gives:
 - memory per device (GiB): parameters, gradients, optimizer state, activations, and for a
   GRPO stage the engine's KV cache, with the shares of the mesh (mesh.fsdp shards params,
   gradients and optimizer state; mesh.tensor heads, MLP hidden and vocabulary; mesh.expert
-  the routed experts; mesh.context the sequence; data x fsdp the batch). A stage over the
-  device's memory is flagged with the knob that helps.
+  the routed experts; mesh.context the sequence; data x fsdp x expert the batch). A stage
+  over the device's memory is flagged with the knob that helps.
 - step time at `--mfu` of the hardware's dense bf16 peak, from ptrain.models.flops_per_token.
 - decode throughput: a decode step is bandwidth-bound, reading the weights it needs once for
   the whole batch plus every sequence's KV cache.
@@ -326,7 +326,8 @@ class Shards:
 
     @property
     def batch(self) -> int:
-        return self.data * self.fsdp
+        """Devices the rows are split over (ptrain.parallel.BATCH_AXES)."""
+        return self.data * self.fsdp * self.expert
 
 
 def param_counts(cfg: ModelConfig) -> tuple[int, int]:

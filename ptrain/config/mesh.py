@@ -18,7 +18,9 @@ class MeshConfig:
     tensor: int = 1
     """Tensor-parallel axis: heads and MLP hidden split."""
     expert: int = 1
-    """Expert-parallel axis: routed experts split (MoE only)."""
+    """Expert-parallel axis: routed experts split (MoE), and the batch split over it as well,
+    so outside the MoE blocks it is one more data-parallel axis (the batch must divide over
+    data x fsdp x expert)."""
     rules: list[Any] | None = None
     """Logical-axis -> mesh-axis rule table as [[logical, mesh_axis_or_list_or_null], ...];
     None uses ptrain.parallel.DEFAULT_RULES."""

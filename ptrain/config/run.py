@@ -745,13 +745,14 @@ def check_mesh_fits(run: RunConfig, n_devices: int) -> tuple[int, ...]:
     """Resolve the mesh shape for n_devices and check the batch and the rows divide over it."""
     mesh = run.mesh
     data, *_ = resolve_mesh_shape(mesh, n_devices)
-    dp = data * mesh.fsdp
+    dp = data * mesh.fsdp * mesh.expert
     micro = run.train.global_batch_size // run.train.grad_accum
     _check(
         micro % dp == 0,
         "train.global_batch_size",
         f"{run.train.global_batch_size} / grad_accum {run.train.grad_accum} = {micro} rows per micro-batch is not "
-        f"divisible by the data-parallel size data*fsdp = {dp}; pass a multiple of {dp * run.train.grad_accum}",
+        f"divisible by the data-parallel size data*fsdp*expert = {dp} (the batch is split over the expert axis "
+        f"too); pass a multiple of {dp * run.train.grad_accum}",
     )
     _check(
         run.train.seq_len % mesh.context == 0,

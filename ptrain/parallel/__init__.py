@@ -8,6 +8,7 @@ program as several JAX processes (start-up, process 0 writes, barriers; docs/sca
 
 from ptrain.parallel.mesh import MESH_AXES, make_mesh, maybe_initialize_distributed
 from ptrain.parallel.sharding import (
+    BATCH_AXES,
     DEFAULT_RULES,
     batch_sharding,
     logical_to_spec,
@@ -16,6 +17,7 @@ from ptrain.parallel.sharding import (
 )
 
 __all__ = [
+    "BATCH_AXES",
     "DEFAULT_RULES",
     "MESH_AXES",
     "batch_sharding",

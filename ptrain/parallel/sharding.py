@@ -11,10 +11,13 @@ from jax.sharding import PartitionSpec as P
 
 # Logical axis -> mesh axes, tried in order. Params are sharded over fsdp on their
 # embedding dimension (ZeRO-3 style) and over tensor on heads / MLP hidden; experts over
-# the expert axis. Activations' batch axis spans data and fsdp, their sequence (`length`)
-# axis the context axis.
+# the expert axis. Activations' batch axis spans data, fsdp and expert, their sequence
+# (`length`) axis the context axis: outside the MoE blocks the expert axis is one more
+# data-parallel axis (as in MaxText), so attention is not computed E times over, and the
+# MoE block's all-to-all starts from tokens already split over the expert axis.
+BATCH_AXES = ("data", "fsdp", "expert")
 DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
-    ("batch", ("data", "fsdp")),
+    ("batch", BATCH_AXES),
     ("length", "context"),
     ("vocab", "tensor"),
     ("embed", "fsdp"),
@@ -108,8 +111,8 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Leading (batch) dimension split over data x fsdp; the rest replicated."""
-    return NamedSharding(mesh, P(("data", "fsdp")))
+    """Leading (batch) dimension split over data x fsdp x expert; the rest replicated."""
+    return NamedSharding(mesh, P(tuple(a for a in BATCH_AXES if a in mesh.shape)))
 
 
 def shardings_following_params(tree, abstract_params, param_shardings, mesh: Mesh):

@@ -259,7 +259,7 @@ def lora_adapters(run: RunConfig, spec: LoRASpec, base, param_axes, mesh):
 
 
 def jit_step(step_fn, placed: Placed):
-    """jit once, here in the driver: state in/out shardings, batch split over data x fsdp, state donated."""
+    """jit once, here in the driver: state in/out shardings, batch split over data x fsdp x expert, state donated."""
     return jax.jit(
         step_fn,
         in_shardings=(placed.state_shardings, batch_sharding(placed.mesh)),

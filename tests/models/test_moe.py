@@ -169,8 +169,8 @@ def test_expert_parallel_plan_follows_the_rules_and_refuses_uneven_splits():
     assert expert_parallel_axis(cfg, _FakeMesh(data=2, expert=4)) == "expert"
     assert expert_parallel_axis(ModelConfig(**{**CFG, "n_experts": 0}), _FakeMesh(expert=4)) is None
     assert expert_parallel_axis(cfg, _FakeMesh(fsdp=4), [("expert", "fsdp")]) == "fsdp"
-    plan = expert_parallel_plan(cfg, _FakeMesh(data=2, expert=4))  # default rules: batch over (data, fsdp)
-    assert (plan.axis, plan.batch_axes) == ("expert", ("data",))
+    plan = expert_parallel_plan(cfg, _FakeMesh(data=2, expert=4))  # default rules: batch over (data, fsdp, expert)
+    assert (plan.axis, plan.batch_axes) == ("expert", ("data", "expert"))
     assert expert_parallel_plan(cfg, _FakeMesh(data=8)) is None
     with pytest.raises(ValueError, match=r"n_experts=8 does not split over the 3 devices"):
         expert_parallel_axis(cfg, _FakeMesh(expert=3))

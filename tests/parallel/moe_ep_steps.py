@@ -42,7 +42,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from ptrain.config import MeshConfig, ModelConfig, RunConfig  # noqa: E402
 from ptrain.models import Decoder, generate, load_hf, save_hf  # noqa: E402
-from ptrain.parallel import make_mesh  # noqa: E402
+from ptrain.parallel import batch_sharding, make_mesh  # noqa: E402
 from ptrain.stages.setup import jit_step, load_model, place_state, router_bias_update  # noqa: E402
 from ptrain.train.objectives import make_sft_objective, sft_denominator  # noqa: E402
 from ptrain.train.step import make_train_step  # noqa: E402
@@ -177,6 +177,10 @@ def check_config(
     result["expert_weight_specs"] = sorted(
         {str(v.sharding.spec) for k, v in flat(ep_placed.state.params).items() if "w_gate" in k}
     )
+    # Rows per device of a batch on the data=2 x expert=4 mesh: the expert axis splits the batch
+    # too, so the attention around the MoE blocks is not computed 4 times over.
+    placed_ids = jax.device_put(batches[0]["input_ids"], batch_sharding(ep_mesh))
+    result["batch_rows_per_device"] = sorted({s.data.shape[0] for s in placed_ids.addressable_shards})
     result["ep_wired"] = sorted(
         {str(getattr(m.ep, "axis", None)) for _, m in nnx.iter_graph(ep_model) if type(m).__name__ == "MoE"}
     )

@@ -1,6 +1,7 @@
 """Expert parallelism in training: tiny_moe and tiny_deepseek SFT steps on a data=2 x expert=4
-mesh of 8 host devices equal the one-device steps, and the compiled step moves tokens
-(all-to-all) where automatic partitioning gathers whole expert-weight stacks.
+mesh of 8 host devices (the batch split over both) equal the one-device steps, and the
+compiled step moves tokens (all-to-all) where automatic partitioning gathers whole
+expert-weight stacks.
 
 One subprocess (moe_ep_steps.py) runs every check, so that XLA sees 8 devices and each
 step compiles once.
@@ -24,6 +25,7 @@ def test_expert_parallel_step_equals_the_one_device_step(results, name):
     c = r["compare"]
     assert r["ep_wired"] == ["expert"], r["ep_wired"]  # every MoE block got the mesh from load_hf
     assert r["expert_weight_specs"] and all("expert" in s for s in r["expert_weight_specs"])
+    assert r["batch_rows_per_device"] == [1], r["batch_rows_per_device"]  # 8 rows over data 2 x expert 4
     # Relative differences (max |ep - one| / max |one|): float32 summation order only.
     assert c["loss"] < 1e-5 and c["grad_norm"] < 1e-5, c
     assert c["expert_load"] < 1e-5, c
