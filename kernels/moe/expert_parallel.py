@@ -16,9 +16,9 @@ Exchanges ("exchange="):
             offsets and layout as "ragged", runs on CPU, for tests.
   "auto"    ragged on GPU/TPU, padded on CPU.
 
-Tokens are sharded over every mesh axis (each device routes its own slice); expert
-weights over `expert_axis` only, replicated over the others (their gradients are summed
-over those axes by `shard_map`'s transpose).
+Tokens are sharded over every mesh axis (each device routes its own slice, in the order of
+`token_axes`); expert weights over `expert_axis` only, replicated over the others (their
+gradients are summed over those axes by `shard_map`'s transpose).
 """
 
 from __future__ import annotations
@@ -177,6 +177,7 @@ def moe_ffn_ep(
     *,
     mesh,
     expert_axis,
+    token_axes=None,
     implementation="auto",
     tiling=None,
     exchange="auto",
@@ -184,7 +185,11 @@ def moe_ffn_ep(
     """`ops.moe_ffn` with experts sharded over `mesh.shape[expert_axis]` devices.
 
     Same result as the single-device call (up to summation order). T must divide by the
-    mesh size and E by the expert-axis size.
+    mesh size and E by the expert-axis size. The tokens are split over every mesh axis,
+    `token_axes` first in their order, then the others in the mesh's: pass the axes the
+    caller's [B, L] activations are split over (batch axes, then sequence axes), and each
+    device's share of the flattened tokens is a slice of what it already holds, so the
+    shard_map moves nothing on the way in or out.
     """
     if expert_axis not in mesh.axis_names:
         raise ValueError(f"moe_ffn: expert_axis={expert_axis!r} is not an axis of the mesh {mesh.axis_names}.")
@@ -206,7 +211,8 @@ def moe_ffn_ep(
         platform = mesh.devices.flat[0].platform
         exchange = "ragged" if platform in ("gpu", "cuda", "rocm", "tpu") else "padded"
     impl = ops.resolve_implementation(implementation)
-    tokens = P(tuple(mesh.axis_names))
+    order = tuple(token_axes or ()) + tuple(a for a in mesh.axis_names if a not in (token_axes or ()))
+    tokens = P(order)
     experts = P(expert_axis)
     fn = functools.partial(
         _local_moe, n_experts=E, axis=expert_axis, implementation=impl, tiling=tiling, exchange=exchange

@@ -352,6 +352,7 @@ def moe_ffn(
     tiling: tuple[int, int, int] | None = None,
     mesh=None,
     expert_axis: str | None = None,
+    token_axes: tuple[str, ...] | None = None,
 ) -> jax.Array:
     """Routed SwiGLU experts: y[t] = sum_j w[t,j] * down_e(silu(x[t] gate_e) * (x[t] up_e)), e = ids[t,j].
 
@@ -361,6 +362,7 @@ def moe_ffn(
 
     With `mesh` and `expert_axis`, experts are sharded over that mesh axis (expert
     parallelism, `expert_parallel.moe_ffn_ep`): tokens are exchanged with all-to-all.
+    `token_axes` orders the mesh axes the tokens are split over (see moe_ffn_ep).
 
     Returns:
       y_TxD in x's dtype.
@@ -380,6 +382,7 @@ def moe_ffn(
             w_down_ExFxD,
             mesh=mesh,
             expert_axis=expert_axis,
+            token_axes=token_axes,
             implementation=implementation,
             tiling=tiling,
         )

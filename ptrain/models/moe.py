@@ -162,6 +162,7 @@ class MoE(nnx.Module):
             implementation=self.implementation,
             mesh=None if ep is None else ep.mesh,
             expert_axis=None if ep is None else ep.axis,
+            token_axes=None if ep is None else ep.batch_axes + ep.length_axes,
         )
         if self.n_shared:
             y_TxD = y_TxD + self.shared(x_TxD)

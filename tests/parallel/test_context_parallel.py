@@ -49,7 +49,9 @@ def test_context_parallel_step_equals_the_one_device_step(results, model, case, 
 
 
 @pytest.mark.multidevice
-@pytest.mark.parametrize("model,case", [("dense", "ring"), ("dense", "ring_scan_remat"), ("moe", "ring")])
+@pytest.mark.parametrize(
+    "model,case", [("dense", "ring"), ("dense", "ring_scan_remat"), ("moe", "ring"), ("moe", "context2_expert4")]
+)
 def test_the_ring_permutes_keys_and_never_gathers_the_sequence(results, model, case):
     hlo = results[model][case]["hlo"]
     assert hlo["collective-permute"] > 0, hlo
