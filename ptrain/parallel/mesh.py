@@ -33,7 +33,8 @@ def device_array(cfg: MeshConfig, devices) -> np.ndarray:
     (slices x data / slices), and every other axis stays inside one slice, laid out there by
     its physical topology (mesh_utils.create_hybrid_device_mesh, as MaxText does)."""
     shape = resolve_mesh_shape(cfg, len(devices))
-    slices = len({getattr(d, "slice_index", 0) for d in devices})
+    # GPU and CPU devices carry a slice_index too (one per host): only TPU slices are joined by DCN
+    slices = len({getattr(d, "slice_index", 0) for d in devices}) if devices[0].platform == "tpu" else 1
     if slices > 1:
         if shape[0] % slices:
             raise ConfigError(
@@ -45,7 +46,10 @@ def device_array(cfg: MeshConfig, devices) -> np.ndarray:
 
         ici = (shape[0] // slices, *shape[1:])
         dcn = (slices,) + (1,) * (len(shape) - 1)
-        return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
+        try:
+            return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
+        except NotImplementedError:  # an axis size that is no product of the slice's torus dimensions
+            return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, allow_split_physical_axes=True)
     if len({d.process_index for d in devices}) > 1 and devices[0].platform != "tpu":
         # Several processes (hosts): process-major order, so the outer axes (data first) cross
         # processes and the inner ones (fsdp, context, tensor, expert) stay on one host's fast links
