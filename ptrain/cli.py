@@ -245,14 +245,31 @@ class SweepSummary(Callback):
         except Exception as e:  # the job raised: keep the error for the summary
             value = {"error": f"{type(e).__name__}: {e}"}
         self.jobs.append((list(job_return.overrides or []), value))
-        hydra_cfg = getattr(job_return, "hydra_cfg", None)
-        trials = OmegaConf.select(hydra_cfg, "hydra.sweeper.n_trials") if hydra_cfg is not None else None  # a search
-        if trials and len(self.jobs) == trials and all(isinstance(v, dict) and "error" in v for _, v in self.jobs):
-            # optuna would end with a traceback ("No trials are completed yet"): say it plainly
-            self.report(hydra_cfg.hydra.sweep.dir)
-            print(f"ptrain: every one of the search's {trials} trials failed (above), so it has no best trial; "
-                  "fix what the messages name, then search again", file=sys.stderr, flush=True)  # fmt: skip
-            sys.exit(1)
+        self._end_a_failing_search(getattr(job_return, "hydra_cfg", None))
+
+    def _end_a_failing_search(self, hydra_cfg: Any) -> None:
+        """Where optuna would end a search with a traceback, end it with the reasons: at the
+        first failed trial under its default max_failure_rate of 0 (it re-raises that trial's
+        error), or when every trial failed ("No trials are completed yet"). Only with Hydra's
+        in-process launcher, where this callback sees every trial."""
+        select = lambda key: OmegaConf.select(hydra_cfg, key) if hydra_cfg is not None else None  # noqa: E731
+        trials = select("hydra.sweeper.n_trials")
+        if not trials or "BasicLauncher" not in str(select("hydra.launcher._target_")):
+            return  # not a search, or trials in other processes
+        failed = [isinstance(v, dict) and "error" in v for _, v in self.jobs]
+        if not failed[-1]:
+            return
+        if all(failed) and len(failed) >= trials:
+            why = f"every one of the search's {trials} trials failed (above), so it has no best trial"
+        elif not select("hydra.sweeper.max_failure_rate"):
+            why = ("a trial failed (above), and optuna stops a search at its first failed trial "
+                   "(hydra.sweeper.max_failure_rate=0.0, its default); pass hydra.sweeper.max_failure_rate=1.0 "
+                   "to go on past failed trials")  # fmt: skip
+        else:
+            return
+        self.report(select("hydra.sweep.dir"))
+        print(f"ptrain: {why}; fix what the messages name, then search again", file=sys.stderr, flush=True)
+        sys.exit(1)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if not self.jobs:

@@ -211,8 +211,9 @@ def render() -> str:
         "`optimization_results.yaml` in the sweep folder. A search without an objective, or with one",
         "the last stage does not report, stops at its first trial and says which keys there are. So",
         "does a trial whose sampled settings are not a valid config (narrow the space). A trial that",
-        "fails while training (a loss that turns NaN) is a failed trial and the search goes on; when",
-        "every trial failed, it ends with their reasons.",
+        "fails while training (a loss that turns NaN) ends the search with its reason, as optuna's",
+        "default `hydra.sweeper.max_failure_rate=0.0` asks; with `max_failure_rate=1.0` it is a failed",
+        "trial and the search goes on, and when every trial failed it ends with their reasons.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -21,6 +21,7 @@ Where the values come from, first match wins, key by key:
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -161,11 +162,17 @@ def gce_tpu_workers(environ: Mapping[str, str] = os.environ, timeout_s: float = 
     """Hosts of this TPU VM's slice: the entries of the metadata attribute
     worker-network-endpoints (GCE_METADATA_IP overrides the server's address, as for JAX).
     0 when the server does not answer, or answers without the attribute: a TPU VM outside a
-    slice, or a machine that is not on Compute Engine."""
+    slice, or a machine that is not on Compute Engine. Asked once per address and process
+    (every stage resolves the config again)."""
+    host = environ.get("GCE_METADATA_IP", "metadata.google.internal")
+    return _metadata_workers(f"http://{host}/computeMetadata/v1/instance/attributes/worker-network-endpoints",
+                             timeout_s)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=8)
+def _metadata_workers(url: str, timeout_s: float) -> int:
     import httpx
 
-    host = environ.get("GCE_METADATA_IP", "metadata.google.internal")
-    url = f"http://{host}/computeMetadata/v1/instance/attributes/worker-network-endpoints"
     try:
         reply = httpx.get(url, headers={"Metadata-Flavor": "Google"}, timeout=timeout_s)
     except httpx.HTTPError:
@@ -205,10 +212,10 @@ def detect_launcher(
     hosts = [h for h in environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
     if len(hosts) > 1:
         return f"TPU slice on GKE ({len(hosts)} hosts in TPU_WORKER_HOSTNAMES)", len(hosts)
-    if not environ.get("TPU_SKIP_MDS_QUERY") and tpu_chips_on_pci(pci_root or PCI_DEVICES):
+    if environ.get("TPU_SKIP_MDS_QUERY") is None and tpu_chips_on_pci(pci_root or PCI_DEVICES):
         workers = gce_tpu_workers(environ)
-        if workers > 1:
-            slices = count("MEGASCALE_NUM_SLICES")
+        slices = count("MEGASCALE_NUM_SLICES")
+        if workers and workers * slices > 1:  # several hosts, or a Multislice of one-host slices
             across = f" x {slices} slices" if slices > 1 else ""
             return f"TPU VM slice on Compute Engine ({workers} hosts{across} in its metadata)", workers * slices
     if environ.get("KUBERNETES_SERVICE_HOST") and environ.get("JOBSET_NAME"):

@@ -252,7 +252,8 @@ class MathOptions:
     think_answer (DeepSeek-R1's template: the reasoning in <think>...</think>, then the answer
     in <answer>...</answer>, and nothing else). Any extractable answer is graded for
     correctness; with think_answer, only a completion of exactly that shape counts as
-    formatted."""
+    formatted (so a chat template that opens <think> in the generation prompt itself, as R1's
+    distilled models' do, never earns it: use answer_tag there)."""
     format_reward: float = 0.0
     """Reward component `format` (>= 0) for a formatted completion: one with an extractable
     final answer, and with answer_format think_answer one of R1's shape."""

@@ -752,7 +752,8 @@ def check_mesh_fits(run: RunConfig, n_devices: int) -> tuple[int, ...]:
         "train.global_batch_size",
         f"{run.train.global_batch_size} / grad_accum {run.train.grad_accum} = {micro} rows per micro-batch is not "
         f"divisible by the data-parallel size data*fsdp*expert = {dp} (the batch is split over the expert axis "
-        f"too); pass a multiple of {dp * run.train.grad_accum}",
+        f"too); pass a multiple of {dp * run.train.grad_accum} (a grpo stage's batch is algo.grpo.prompts_per_step "
+        "x group_size / mini_batches)",
     )
     _check(
         run.train.seq_len % mesh.context == 0,

@@ -14,7 +14,8 @@ class TrainConfig:
     """Optimizer steps in a stage (> 0)."""
     global_batch_size: int = 16
     """Sequences (packed rows) per optimizer step, over all devices; must divide by the
-    data-parallel size (mesh data * fsdp) times grad_accum."""
+    data-parallel size (mesh data * fsdp * expert) times grad_accum. A grpo stage sets it to
+    prompts_per_step * group_size / mini_batches."""
     grad_accum: int = 1
     """Micro-batches per optimizer step, accumulated inside the jitted step (>= 1); the
     gradient is the same. Also a speed setting on CPU: XLA:CPU returns a step's temporaries

@@ -360,3 +360,44 @@ def test_a_search_whose_trials_fail_says_why_without_a_traceback(tmp_path):
     assert "every one of the search's 1 trials failed" in out.stderr and "Traceback" not in out.stderr, out.stderr
     (row,) = [json.loads(line) for line in (tmp_path / "nan" / "sweep_summary.jsonl").read_text().splitlines()]
     assert "loss is nan" in row["result"]["error"]
+    # past failed trials with max_failure_rate=1.0: the search ends, best trial found, and the failure listed
+    out = cli(*search, "hydra.sweeper.n_trials=2", "hydra.sweeper.max_failure_rate=1.0",
+              "hydra.sweeper.sampler.seed=0", "optim.lr=choice(1e30,1e-3)", f"hydra.sweep.dir={tmp_path / 'some'}",
+              check=False)  # fmt: skip
+    rows = [json.loads(line) for line in (tmp_path / "some" / "sweep_summary.jsonl").read_text().splitlines()]
+    assert sorted("error" in str(r["result"]) for r in rows) == [False, True], rows
+    assert out.returncode == 1 and "1 of 2 sweep jobs failed" in out.stderr, out.stderr[-2000:]
+    assert "optim.lr: 0.001" in (tmp_path / "some" / "optimization_results.yaml").read_text()
+
+
+def test_a_search_stops_at_its_first_failed_trial_as_optuna_does_and_says_so(tmp_path, capsys):
+    """Under optuna's default max_failure_rate (0) the sweeper re-raises a failed trial's error
+    through a traceback; the sweep callback ends the search first, with the table and the fix."""
+    from omegaconf import OmegaConf
+
+    from ptrain.cli import SweepSummary, TrialFailed
+
+    class Job:
+        def __init__(self, value, hydra_cfg):
+            self.overrides, self._value, self.hydra_cfg = ["optim.lr=1"], value, hydra_cfg
+
+        @property
+        def return_value(self):
+            if isinstance(self._value, Exception):
+                raise self._value
+            return self._value
+
+    def hydra_cfg(**sweeper):
+        return OmegaConf.create({"hydra": {"sweeper": {"n_trials": 3, **sweeper}, "sweep": {"dir": str(tmp_path)},
+                                           "launcher": {"_target_": "hydra._internal.core_plugins.basic_launcher."
+                                                                    "BasicLauncher"}}})  # fmt: skip
+
+    summary = SweepSummary()
+    summary.on_job_end(None, Job(0.5, hydra_cfg(max_failure_rate=0.0)))  # a good trial: nothing happens
+    with pytest.raises(SystemExit):
+        summary.on_job_end(None, Job(TrialFailed("ptrain: error: loss is nan"), hydra_cfg(max_failure_rate=0.0)))
+    err = capsys.readouterr().err
+    assert "optuna stops a search at its first failed trial" in err and "max_failure_rate=1.0" in err
+    tolerant = SweepSummary()
+    tolerant.on_job_end(None, Job(TrialFailed("ptrain: error: x"), hydra_cfg(max_failure_rate=1.0)))  # goes on
+    assert len(tolerant.jobs) == 1

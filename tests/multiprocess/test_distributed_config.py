@@ -9,7 +9,13 @@ import pytest
 
 from ptrain import compose
 from ptrain.config import ConfigError
-from ptrain.config.distributed import DistributedConfig, detect_launcher, gce_tpu_workers, tpu_chips_on_pci
+from ptrain.config.distributed import (
+    DistributedConfig,
+    _metadata_workers,
+    detect_launcher,
+    gce_tpu_workers,
+    tpu_chips_on_pci,
+)
 
 RANKS = {"PTRAIN_COORDINATOR": "127.0.0.1:12355", "PTRAIN_NUM_PROCESSES": "2", "PTRAIN_PROCESS_ID": "1"}
 
@@ -111,12 +117,19 @@ def test_a_tpu_vm_slice_on_compute_engine_is_found_through_its_metadata_server(t
         plan = DistributedConfig().resolve(env)
         assert (plan.mode, plan.num_processes) == ("auto", 4) and "Compute Engine" in plan.launcher
         _Metadata.asked.clear()
-        assert detect_launcher(dict(env, TPU_SKIP_MDS_QUERY="1"), pci_root=tpu_v5e) == (None, None)
+        assert detect_launcher(dict(env, TPU_SKIP_MDS_QUERY=""), pci_root=tpu_v5e) == (
+            None,
+            None,
+        )  # set, as JAX reads it
         assert detect_launcher(env, pci_root=_pci(tmp_path / "vm", gvnic, ("0x10de", "0x2335"))) == (None, None)
         assert _Metadata.asked == []  # neither asked the server
         for workers in ("w-0", ""):  # a single-host TPU VM; a VM outside any slice (404)
             monkeypatch.setattr(_Metadata, "workers", workers)
+            _metadata_workers.cache_clear()  # asked once per process: this test changes the answer
             assert DistributedConfig().resolve(env).mode == "single"
+        monkeypatch.setattr(_Metadata, "workers", "w-0")  # a Multislice of one-host slices
+        _metadata_workers.cache_clear()
+        assert detect_launcher(dict(env, MEGASCALE_NUM_SLICES="2"), pci_root=tpu_v5e)[1] == 2
     finally:
         server.shutdown()
         server.server_close()
