@@ -224,10 +224,8 @@ class ReverseTextOptions:
         _check_rewards(self, where)
 
 
-MATH_FAMILIES = ("linear", "fractions", "word", "sums")
-"""Generated math task families: linear equations, fraction arithmetic, word problems, and
-sums of two-digit numbers (the one a model of a few million parameters learns to solve)."""
-DEFAULT_MATH_FAMILIES = ("linear", "fractions", "word")
+MATH_FAMILIES = ("linear", "fractions", "word")
+"""Generated math task families: linear equations, fraction arithmetic, word problems."""
 MATH_ANSWER_FORMATS = ("boxed", "answer_tag", "think_answer")
 
 
@@ -237,10 +235,9 @@ class MathOptions:
     """Math with a final answer, checked for equivalence by math-verify (bounded by
     env.reward_timeout_s in a worker process)."""
 
-    families: list[str] = field(default_factory=lambda: list(DEFAULT_MATH_FAMILIES))
+    families: list[str] = field(default_factory=lambda: list(MATH_FAMILIES))
     """Generated families drawn from, equally: linear (solve a x + b = c), fractions (p/q op
-    r/s in lowest terms), word (arithmetic word problems from templates), sums (three or four
-    two-digit numbers added and subtracted, one step at a time). Unused with path."""
+    r/s in lowest terms), word (arithmetic word problems from templates). Unused with path."""
     path: str | None = None
     """JSONL rows {"question": str, "answer": str} (optional "id") instead of generated
     tasks: the training split, and the held-out one too when eval_path is null (its first

@@ -13,8 +13,8 @@ hangs (`9^{9^{9^{9}}}` against 1 runs for minutes in sympy) scores 0 with the re
 and a correct answer scores 1 from whatever thread the environment runs on.
 
 Tasks: generated families (options.families: linear equations, fraction arithmetic, word
-problems from templates, sums of two-digit numbers) or JSONL rows {"question", "answer"}
-(options.path), optionally with "solution", the working that reaches the answer.
+problems from templates) or JSONL rows {"question", "answer"} (options.path), optionally with
+"solution", the working that reaches the answer.
 
 `demonstration(task)` writes the SFT row of a task: the working as reasoning (a generated
 task's computation, kept in task.data["solution"] and never shown to the policy), then the
@@ -215,18 +215,7 @@ def _word(rng: random.Random) -> tuple[str, str, str]:
     return q, str(k + e), f"Each gets {n * k} / {n} = {k}, then {k} + {e} = {k + e}."
 
 
-def _sums(rng: random.Random) -> tuple[str, str, str]:
-    terms = [rng.randint(10, 99) for _ in range(rng.randint(3, 4))]
-    ops = [rng.choice("+-") for _ in terms[1:]]
-    expression, total, steps = str(terms[0]), terms[0], []
-    for op, term in zip(ops, terms[1:]):
-        after = total + term if op == "+" else total - term
-        steps.append(f"{total} {op} {term} = {after}.")
-        expression, total = f"{expression} {op} {term}", after
-    return f"Compute ${expression}$.", str(total), " ".join(steps)
-
-
-FAMILIES = {"linear": _linear, "fractions": _fractions, "word": _word, "sums": _sums}
+FAMILIES = {"linear": _linear, "fractions": _fractions, "word": _word}
 """Generated family -> (rng -> (question, reference answer, the working that reaches it))."""
 
 

@@ -32,7 +32,6 @@ SINGLE_TURN = {
     "math": ("math", {}),
     "math_answer_tag": ("math", {"answer_format": "answer_tag"}),
     "math_think_answer": ("math", {"answer_format": "think_answer", "format_reward": 1.0}),
-    "math_sums": ("math", {"families": ["sums"]}),
     "mcqa": ("mcqa", {"format_reward": 0.2, "correct_reward": 0.8}),
     "structured_output": ("structured_output", {"format_reward": 0.1}),
     "long_context": ("long_context", {"context_tokens": 1024, "format_reward": 0.1}),
