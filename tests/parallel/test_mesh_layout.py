@@ -1,7 +1,7 @@
 """How devices are laid out in the mesh: TPU Multislice gets a hybrid mesh whose data axis
-alone crosses slices, several CPU/GPU processes (one slice_index per host) a process-major order. Devices are stand-ins
-carrying the attributes JAX's devices have (the layout reads nothing else), so the test runs
-on one CPU."""
+alone crosses slices; several CPU or GPU processes (one slice_index per host) get a
+process-major order. The devices are stand-ins carrying the attributes JAX's devices have
+(the layout reads nothing else), so the test runs on one CPU."""
 
 import dataclasses
 from dataclasses import dataclass
@@ -34,28 +34,22 @@ def slice_of(array: np.ndarray) -> np.ndarray:
 
 
 def test_multislice_puts_only_the_data_axis_across_slices():
-    # 2 slices x 2 hosts x 4 chips; a slice's device ids are contiguous
+    # 2 slices x 2 hosts x 4 chips, each slice a 2x2x2 torus; a slice's device ids are contiguous
     devices = [
-        Device(
-            i,
-            process_index=i // 4,
-            slice_index=i // 8,
-            platform="tpu",
-            device_kind="TPU test",
-            coords=(i % 2, i // 2 % 2, i // 4 % 2),
-        )
+        Device(i, process_index=i // 4, slice_index=i // 8, platform="tpu", device_kind="TPU test",
+               coords=(i % 2, i // 2 % 2, i // 4 % 2))
         for i in range(16)
-    ]  # fmt: skip  (a 2x2x2 torus)
+    ]  # fmt: skip
     layout = device_array(MeshConfig(data=4, fsdp=2, tensor=2), devices)
     assert layout.shape == (4, 2, 1, 2, 1)
-    # on 2x4 tori, fsdp 2 x tensor 2 must split the torus dimension of 4: still laid out
-    flat = [dataclasses.replace(d, coords=(d.id % 2, d.id // 2 % 4, 0)) for d in devices]
-    assert slice_of(device_array(MeshConfig(data=4, fsdp=2, tensor=2), flat))[:2].max() == 0
     slices = slice_of(layout)
     assert (slices[:2] == 0).all() and (slices[2:] == 1).all()  # the outer half of data is the slice
     # every group that shares a data index (the fsdp x tensor block) lies inside one slice
     assert all(len(np.unique(slices[d])) == 1 for d in range(4))
     assert sorted(ids(layout).ravel()) == list(range(16))
+    # on 2x4 tori, fsdp 2 x tensor 2 must split the torus dimension of 4: still laid out
+    flat = [dataclasses.replace(d, coords=(d.id % 2, d.id // 2 % 4, 0)) for d in devices]
+    assert slice_of(device_array(MeshConfig(data=4, fsdp=2, tensor=2), flat))[:2].max() == 0
     with pytest.raises(ConfigError, match=r"'mesh.data': 1 does not split over the 2 TPU slices.*multiple of 2"):
         device_array(MeshConfig(data=1, fsdp=16), devices)
 
