@@ -48,7 +48,7 @@ def device_array(cfg: MeshConfig, devices) -> np.ndarray:
         dcn = (slices,) + (1,) * (len(shape) - 1)
         try:
             return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
-        except NotImplementedError:  # an axis size that is no product of the slice's torus dimensions
+        except NotImplementedError:  # mesh_utils' answer when an axis size is no product of torus dimensions
             return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, allow_split_physical_axes=True)
     if len({d.process_index for d in devices}) > 1 and devices[0].platform != "tpu":
         # Several processes (hosts): process-major order, so the outer axes (data first) cross
