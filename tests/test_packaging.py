@@ -23,15 +23,27 @@ def test_source_checkout_finds_kernels_and_conf_without_an_editable_finder():
     `-S` leaves out site-packages and with it the editable install's finder."""
     probe = (
         "import sys, importlib.util as u; sys.path.insert(0, sys.argv[1]); import ptrain;"
-        "print(u.find_spec('ptrain.kernels').origin); print(u.find_spec('ptrain.conf').origin)"
+        "print(u.find_spec('ptrain.kernels.moe').origin); print(u.find_spec('ptrain.conf').origin)"
     )
     out = subprocess.run(
         [sys.executable, "-S", "-c", probe, ROOT], capture_output=True, text=True, cwd=ROOT, timeout=60
     )
     assert out.returncode == 0, out.stderr
     kernels, conf = out.stdout.split()
-    assert os.path.realpath(kernels) == os.path.realpath(os.path.join(ROOT, "kernels", "__init__.py"))
+    assert os.path.realpath(kernels) == os.path.realpath(os.path.join(ROOT, "kernels", "moe", "__init__.py"))
     assert os.path.realpath(conf) == os.path.realpath(os.path.join(ROOT, "conf", "__init__.py"))
+
+
+def test_a_clone_root_on_sys_path_does_not_shadow_another_kernels_package():
+    """The top-level kernels/ folder has no __init__.py, so with a clone's root first on
+    sys.path (pytest's rootdir, `python -m` from the root) a real `kernels` distribution
+    (Hugging Face's, which transformers imports when it is installed) still wins, and without
+    one transformers' probe finds no package to import."""
+    probe = "import sys, importlib.util as u; sys.path.insert(0, sys.argv[1]); s = u.find_spec('kernels'); print(s and s.origin)"
+    out = subprocess.run([sys.executable, "-c", probe, ROOT], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    origin = out.stdout.strip()
+    assert not os.path.realpath(origin).startswith(os.path.realpath(os.path.join(ROOT, "kernels"))), origin
 
 
 @pytest.mark.slow
