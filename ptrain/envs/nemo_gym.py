@@ -157,6 +157,10 @@ class Reply:
     """Why the body is not JSON (None when it is)."""
 
 
+class _BrokenExchange(Exception):
+    """The connection broke (reset, closed, cut mid-answer) before a whole answer came."""
+
+
 class ResourcesSession:
     """One episode's HTTP session with a resources server.
 
@@ -186,25 +190,41 @@ class ResourcesSession:
     async def close(self) -> None:
         await self._client.aclose()
 
-    async def post(self, route: str, body: Any, *, timeout_s: float | None = None, what: str = "") -> Reply:
+    async def post(
+        self, route: str, body: Any, *, timeout_s: float | None = None, what: str = "", resend_once: bool = False
+    ) -> Reply:
         """POST JSON to `route`; NemoGymError when the server is unreachable or too slow (any
         status comes back as a Reply: what an error status means is the caller's to say).
-        The body is sent as it is: null fields stay null."""
+        The body is sent as it is: null fields stay null. `resend_once` sends it a second time
+        when the connection broke before any answer came (for requests that may be repeated)."""
         try:
             payload = json.dumps(body, allow_nan=False)
         except (TypeError, ValueError) as e:
             raise NemoGymError(f"POST {self.url}{route}: the request body is not JSON ({e})") from None
+        if resend_once:
+            try:
+                return await self._send("POST", route, payload, timeout_s=timeout_s, what=what, broken_raises=True)
+            except _BrokenExchange as e:
+                logger.info("POST %s%s: the connection broke before an answer (%s); sending it again", self.url,
+                            route, e)  # fmt: skip
         return await self._send("POST", route, payload, timeout_s=timeout_s, what=what)
 
     async def get(self, route: str, *, what: str = "") -> Reply:
         """GET `route` (as `post`: NemoGymError only when no answer came)."""
         return await self._send("GET", route, None, timeout_s=None, what=what)
 
-    async def _send(self, method: str, route: str, payload: str | None, *, timeout_s: float | None, what: str) -> Reply:
+    async def _send(
+        self, method: str, route: str, payload: str | None, *, timeout_s: float | None, what: str,
+        broken_raises: bool = False,
+    ) -> Reply:  # fmt: skip
         where = f"{method} {self.url}{route}"
         timeout = httpx.Timeout(timeout_s or self.timeouts.request_s, connect=self.timeouts.connect_s)
         try:
             response = await self._client.request(method, route, content=payload, timeout=timeout)
+        except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError) as e:
+            if broken_raises:
+                raise _BrokenExchange(f"{type(e).__name__}: {e}") from None
+            raise NemoGymError(f"{where}: the request failed ({type(e).__name__}: {e})") from None
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
             raise NemoGymError(
                 f"{where}: the NeMo Gym resources server at {self.url} is unreachable ({type(e).__name__}: {e}); "
@@ -224,9 +244,11 @@ class ResourcesSession:
             parsed, problem = None, f"{type(e).__name__}: {str(e)[:200]}"
         return Reply(response.status_code, text, parsed, problem)
 
-    async def post_json(self, route: str, body: Any, *, timeout_s: float | None = None, what: str = "") -> Any:
+    async def post_json(
+        self, route: str, body: Any, *, timeout_s: float | None = None, what: str = "", resend_once: bool = False
+    ) -> Any:
         """POST and demand a 2xx JSON object; NemoGymError names the route, status and body."""
-        reply = await self.post(route, body, timeout_s=timeout_s, what=what)
+        reply = await self.post(route, body, timeout_s=timeout_s, what=what, resend_once=resend_once)
         where = f"POST {self.url}{route}"
         if not 200 <= reply.status < 300:
             raise NemoGymError(f"{where} answered {reply.status}: {_excerpt(reply.text)}")
@@ -239,15 +261,16 @@ class ResourcesSession:
         return reply.json
 
     async def seed_session(self, row: Mapping[str, Any]) -> dict[str, Any]:
-        """The legacy seed: POST the row itself (what NeMo Gym's simple agent sends, 0.4 and 0.7)."""
-        return await self.post_json("/seed_session", row, what=f" ({self.option_names[1]})")
+        """The legacy seed: POST the row itself (what NeMo Gym's simple agent sends, 0.4 and 0.7).
+        A seed starts the session afresh, so one whose connection broke unanswered is sent again."""
+        return await self.post_json("/seed_session", row, what=f" ({self.option_names[1]})", resend_once=True)
 
     async def seed_resources_session(self, ids: SessionIds, row: Mapping[str, Any]) -> dict[str, Any]:
         """0.7's session seed: {resources_session_id, episode_id, task_id, task_data: the row}.
         The answer must echo the session id: one that does not means the server took the body
         for a legacy seed (its seed model ignores unknown fields), and the episode fails."""
         body = {**ids.body(), "task_id": dict(ids.task_id), "task_data": dict(row)}
-        answer = await self.post_json("/seed_session", body, what=f" ({self.option_names[1]})")
+        answer = await self.post_json("/seed_session", body, what=f" ({self.option_names[1]})", resend_once=True)
         if answer.get("resources_session_id") != ids.resources_session_id:
             raise NemoGymError(
                 f"POST {self.url}/seed_session answered the session seed body with {_excerpt(json.dumps(answer), 200)}, "

@@ -14,6 +14,7 @@ tests skip, naming the command that builds it; in CI (CI=true) they fail instead
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import copy
 import json
@@ -700,10 +701,18 @@ class _MisbehavingServer(BaseHTTPRequestHandler):
     def log_message(self, *args) -> None:
         pass
 
+    received: collections.Counter = collections.Counter()
+    """(route, misbehave) -> requests received, over every server of this class."""
+
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
         how = body.get("misbehave", "") if isinstance(body, dict) else ""
         route = self.path
+        self.received[route, how] += 1
+        if route == "/seed_session" and how == "seed_drop_first" and self.received[route, how] == 1:
+            self.connection.shutdown(socket.SHUT_RDWR)  # closed unanswered, as a server restarting does
+            self.close_connection = True
+            return None
         if route == "/deep":  # a tool whose reply nests past what the JSON parser takes
             return self._answer(b"[" * 100_000 + b"]" * 100_000)
         if route == "/seed_session" and how == "seed_truncated_json":
@@ -747,6 +756,7 @@ def test_a_server_that_answers_garbage_or_drops_the_connection_fails_only_those_
     rows.write_text("".join(json.dumps({"responses_create_params": {"input": f"row {how}",
                                         **({"tools": tools} if how == "tool_deep_json" else {})},
                                         "misbehave": how}) + "\n" for how in cases))  # fmt: skip
+    _MisbehavingServer.received.clear()
     server = _LoopbackServer(("127.0.0.1", 0), _MisbehavingServer)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -791,6 +801,28 @@ def test_a_server_that_answers_garbage_or_drops_the_connection_fails_only_those_
             assert t.error is None and t.reward == 0.0 and t.metrics["verified"] == 1, how
             assert t.reward_error.startswith(reason), (how, t.reward_error)
     assert env.stats["errors"] == 2 * len(failed)
+    assert _MisbehavingServer.received["/verify", "verify_drop"] == 2  # a broken /verify is not sent again
+
+
+def test_a_seed_whose_connection_breaks_unanswered_is_sent_once_more(tok, tmp_path):
+    """A seed starts the session afresh, so a /seed_session the server closes without an answer
+    (a worker restarting, a connection reset under load) is sent a second time; the episode is
+    seeded, played and verified as if nothing happened."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"responses_create_params": {"input": "row"}, "misbehave": "seed_drop_first"}) + "\n")
+    _MisbehavingServer.received.clear()
+    server = _LoopbackServer(("127.0.0.1", 0), _MisbehavingServer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        env = make_env(tok, f"http://127.0.0.1:{server.server_address[1]}", str(rows), request_timeout_s=10.0)
+        (t,) = run(env, env.tasks("train", seed=0)[0], ReplayEngine(["4"], tokenizer=tok))
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    assert t.error is None and t.metrics["verified"] == 1 and t.reward == 1.0
+    assert _MisbehavingServer.received["/seed_session", "seed_drop_first"] == 2
 
 
 def test_an_unforeseen_failure_reading_an_answer_fails_only_its_episode(tok, tmp_path, monkeypatch):
