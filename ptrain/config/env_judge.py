@@ -1,7 +1,9 @@
 """Options of the `judge` environment kind: RLHF rewards from a generative reward model (GenRM)
 that compares the policy's responses two at a time, as Nemotron 3 Nano's RLHF stage does
-(arXiv 2512.20848 §3.3; NeMo Gym's genrm_compare). The kind lives in ptrain/envs/judge.py,
-whose docstring states the judge's answer format, the aggregation and the length control.
+(arXiv 2512.20848 §3.3; NeMo Gym's genrm_compare), or from a Bradley-Terry reward model that
+scores each response (judge: reward_model, e.g. the export of an earlier stage of kind rm).
+The kind lives in ptrain/envs/judge.py, whose docstring states the judge's answer format, the
+aggregation and the length control.
 
     envs:
       judge:
@@ -11,6 +13,9 @@ whose docstring states the judge's answer format, the aggregation and the length
           judge_url: http://127.0.0.1:8000           # any OpenAI-compatible server (python -m ptrain.serve)
           judge_model: genrm
           reasoning_length_penalty: 0.1              # Nano ships every length knob at 0
+      rm_judged:
+        kind: judge
+        options: {judge: reward_model, reward_model_path: "${run_dir}/stages/rm/export"}
 
 The length-control coefficients are in units of the `judge` reward component: with `rescale`
 (the default) the judge's 1-5 score maps to [0, 1], so a coefficient of 0.1 is a tenth of the
@@ -29,9 +34,11 @@ from urllib.parse import urlsplit
 
 from ptrain.config.env_options import MAX_TIMEOUT_S, EnvConfigError, register_options
 
-JUDGE_BACKENDS = ("policy", "openai")
+JUDGE_BACKENDS = ("policy", "openai", "reward_model")
 """Who judges: `policy`, the engine the rollout got (the policy judges itself, or whatever model
-that engine serves); `openai`, an OpenAI-compatible /v1/chat/completions endpoint."""
+that engine serves); `openai`, an OpenAI-compatible /v1/chat/completions endpoint;
+`reward_model`, a Bradley-Terry reward model folder (a stage of kind rm exports one) that
+scores each response on its own."""
 
 JUDGE_FAMILIES = ("explain", "describe", "advice", "compare", "question", "rewrite")
 """Generated open-ended request families (ptrain/envs/judge.py draws them from the seed):
@@ -65,7 +72,16 @@ class JudgeOptions:
 
     judge: str = "policy"
     """Who judges (JUDGE_BACKENDS): policy (the rollout's engine, prompt rendered by the policy
-    tokenizer's chat template) or openai (judge_url + judge_model)."""
+    tokenizer's chat template), openai (judge_url + judge_model) or reward_model
+    (reward_model_path: one score per response, no comparisons)."""
+    reward_model_path: str | None = None
+    """With judge reward_model: a Hugging Face sequence-classification folder with one label
+    that shares the policy's tokenizer, e.g. ${run_dir}/stages/rm/export after a stage of kind
+    rm. Read when the environment is built (by the stages that sample it), so an earlier stage
+    of the same run may write it."""
+    reward_model_max_tokens: int = 2048
+    """With judge reward_model: tokens (>= 16) of prompt and response the model reads; a longer
+    conversation is cut at the end and counted in the environment's reward_model_cut stat."""
     judge_url: str | None = None
     """With judge openai: the server's base URL, http(s)://host:port with an optional path
     prefix (a trailing /v1 may be given or not); requests go to <url>/v1/chat/completions."""
@@ -196,7 +212,26 @@ class JudgeOptions:
                 f"{where}.judge_api_key_env",
                 f"must be the name of an environment variable (not the key itself), got {key_env!r}",
             )
+        if self.judge == "reward_model":
+            _check(
+                bool(self.reward_model_path and str(self.reward_model_path).strip()),
+                f"{where}.reward_model_path",
+                "judge reward_model needs a reward-model folder, e.g. ${run_dir}/stages/rm/export after a stage "
+                "of kind rm",
+            )
+            _check(
+                self.reward_model_max_tokens >= 16,
+                f"{where}.reward_model_max_tokens",
+                f"must be >= 16, got {self.reward_model_max_tokens}",
+            )
         else:
+            _check(
+                self.reward_model_path is None,
+                f"{where}.reward_model_path",
+                f"is read only with judge reward_model (judge is {self.judge!r}); leave it null or set "
+                "judge: reward_model",
+            )
+        if self.judge != "openai":
             for key in ("judge_url", "judge_model", "judge_api_key_env"):
                 _check(
                     getattr(self, key) is None,

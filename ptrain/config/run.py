@@ -256,6 +256,13 @@ def stage_config(run: RunConfig, stage: StageConfig) -> RunConfig:
         "LoRA (model.lora.rank=0)",
         f"stage '{stage.name}': ",
     )
+    _check(
+        not (stage.kind == "rm" and out.algo.dpo.policy_pairs),
+        "algo.dpo.policy_pairs",
+        "a reward-model stage takes pairs from its data or from the environments (algo.dpo.env_pairs, graded by "
+        "their verifiers); policy pairs are graded against the data's answers by a DPO stage only, so set it to 0",
+        f"stage '{stage.name}': ",
+    )
     need = STAGES[stage.kind].data_format if stage.kind in STAGES else None
     if need is not None and out.data.format != need:
         raise ConfigError(
@@ -305,7 +312,7 @@ def check_processes(run: RunConfig, processes: int, where: str = "") -> None:
             "the export in a one-process eval stage",
             where,
         )
-    if stage.kind == "dpo":
+    if stage.kind in ("dpo", "rm"):
         for key in ("policy_pairs", "env_pairs"):
             _check(
                 not getattr(dpo, key),
@@ -512,6 +519,13 @@ def validate(run: RunConfig) -> None:
             bool(s.name) and "/" not in s.name and s.name not in (".", ".."),
             f"stages[{i}].name",
             f"'{s.name}' must be a non-empty folder name without '/' (and not '.' or '..')",
+        )
+        _check(
+            s.reward_model is None or (s.kind == "grpo" and bool(str(s.reward_model).strip())),
+            f"stages[{i}].reward_model",
+            f"scores the episodes of a grpo stage, and stage '{s.name}' is of kind {s.kind}; leave it null here"
+            if s.kind != "grpo"
+            else "must be a reward-model folder (e.g. ${run_dir}/stages/rm/export) or null",
         )
         if s.init not in C.STAGE_INITS:
             _check(

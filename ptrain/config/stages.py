@@ -61,3 +61,9 @@ class StageConfig:
     stage over the previous stage's fully trained export (the other stages train every weight)."""
     envs: list[str] = field(default_factory=list)
     """Names of the run's environments (`envs`) this stage samples; empty: all of them."""
+    reward_model: str | None = None
+    """A grpo stage only: a reward-model folder (a Hugging Face sequence classifier with one
+    label that shares the policy's tokenizer, e.g. ${run_dir}/stages/rm/export after a stage of
+    kind rm) that scores this stage's episodes in place of the environments' verifiers (RLHF
+    against a learned reward; ptrain/envs/reward_model.py). The verifiers' verdicts stay as
+    metrics. Read when the stage starts, so an earlier stage of the run may write it."""

@@ -193,6 +193,15 @@ class TaskSplits:
         return Task(env=self.name, id=f"{split}-{index}", messages=tuple(dict(m) for m in messages), data=dict(data))
 
 
+def is_correct(t: Trajectory) -> bool:
+    """Whether an episode solved its task. The environment's judged value (the `correct`
+    metric, 1 = right) decides, whatever reward it is scaled to (countdown pays 0.9 for it);
+    without that metric, a `correct` reward component of at least 1, else any positive reward."""
+    if "correct" in t.metrics:
+        return float(t.metrics["correct"]) >= 1.0
+    return float(t.reward_components.get("correct", 1.0 if t.reward > 0 else 0.0)) >= 1.0
+
+
 @runtime_checkable
 class Environment(Protocol):
     """What a stage needs of an environment kind (`ptrain.envs.registry` builds them)."""

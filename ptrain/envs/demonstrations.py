@@ -26,6 +26,15 @@ def prompt_messages(env, task) -> list[dict[str, Any]]:
     return list(fmt.with_tools(task.messages)) if fmt is not None else [dict(m) for m in task.messages]
 
 
+_ROLE = {"policy": "assistant", "tool": "tool", "env": "user"}
+
+
+def episode_messages(trajectory) -> list[dict[str, Any]]:
+    """The turns of an episode after its prompt as chat messages (what preference pairs and
+    reward models read)."""
+    return [{"role": _ROLE[t.role], "content": t.text} for t in trajectory.turns]
+
+
 def _row(env, task) -> dict[str, Any]:
     demo = getattr(env, "demonstration", None)
     if demo is None:

@@ -65,6 +65,14 @@ reward 0, and no loss tokens (the tokens stay for the audit log; a reward that i
 must not train). The group's other responses keep their comparisons, and length control runs
 over them.
 
+`reward_model` scores each judgeable response on its own with a Bradley-Terry reward model
+(options.reward_model_path: what a stage of kind rm exports; ptrain/envs/reward_model.py): the
+prompt and the whole response, reasoning included, as one conversation, the way the rm stage
+trains on preference pairs. One call per response, no comparisons and no tie-breaks; the
+`judge` component is the model's score, through the logistic function with options.rescale
+(sigmoid(score), in [0, 1]) or raw. Length control is the same. A scoring failure makes the
+group's judged responses env errors, as a failed judge call does.
+
 A sample cut by max_new_tokens is not judged unless env.score_truncated (reward 0, metric
 truncated 1); an aborted one never (reward 0, metric aborted 1). Metrics of every trajectory:
 judge_calls and judge_parse_failures (the calls whose pair starts with this response: one per
@@ -423,6 +431,18 @@ class JudgeEnv(SingleTurnEnv):
         self.endpoint: str | None = None
         """The judge's POST URL (judge openai)."""
         self._headers: dict[str, str] = {"content-type": "application/json"}
+        self.scorer: Any = None
+        """The reward model (judge reward_model): a RewardModelScorer."""
+        self.stats["reward_model_cut"] = 0
+        if options.judge == "reward_model":
+            from ptrain.envs.reward_model import RewardModelScorer
+
+            self.scorer = RewardModelScorer(
+                options.reward_model_path,
+                tokenizer,
+                max_tokens=options.reward_model_max_tokens,
+                what=f"envs.{self.name}.options.reward_model_path",
+            )
         if options.judge == "openai":
             base = options.judge_url.rstrip("/")
             self.endpoint = f"{base}/chat/completions" if base.endswith("/v1") else f"{base}/v1/chat/completions"
@@ -522,26 +542,31 @@ class JudgeEnv(SingleTurnEnv):
         finishes = [_finish(s) for s in samples]
         self.stats["truncated"] += finishes.count("length")
         judged = [j for j, f in enumerate(finishes) if f == "stop" or (f == "length" and self.cfg.score_truncated)]
-        pairs = [(judged[a], judged[b]) for a, b in circular_pairs(len(judged))]
-        comparisons = await self._compare_all(task, engine, pairs, [a for _, a in parts], rid, seed)
-
         errors: list[str | None] = [None] * n
-        calls, failures = [0] * n, [0] * n
-        for c in comparisons:
-            calls[c.i] += 1
-            if c.error is not None:
-                for k in (c.i, c.j):
-                    errors[k] = errors[k] or c.error
-            elif c.verdict is None:
-                failures[c.i] += 1
-        self.stats["judge_calls"] += len(comparisons)
-        self.stats["judge_parse_failures"] += sum(failures)
+        calls, failures, tie_breaks = [0] * n, [0] * n, [0] * n
+        if self.scorer is not None:
+            means = await self._reward_model_scores(task, judged, texts, errors)
+            for j in judged:
+                calls[j] = 1
+            self.stats["judge_calls"] += len(judged)
+        else:
+            pairs = [(judged[a], judged[b]) for a, b in circular_pairs(len(judged))]
+            comparisons = await self._compare_all(task, engine, pairs, [a for _, a in parts], rid, seed)
+            for c in comparisons:
+                calls[c.i] += 1
+                if c.error is not None:
+                    for k in (c.i, c.j):
+                        errors[k] = errors[k] or c.error
+                elif c.verdict is None:
+                    failures[c.i] += 1
+            self.stats["judge_calls"] += len(comparisons)
+            self.stats["judge_parse_failures"] += sum(failures)
+            means, tie_breaks = aggregate(n, comparisons, o.tie_break)
         self.stats["errors"] += sum(e is not None for e in errors)
-        means, tie_breaks = aggregate(n, comparisons, o.tie_break)
 
         scored = [j for j in judged if errors[j] is None]
         raw = {j: NEUTRAL_SCORE if means[j] is None else means[j] for j in scored}
-        quality = [(raw[j] - 1.0) / 4.0 if o.rescale else raw[j] for j in scored]
+        quality = [self._rescaled(raw[j]) if o.rescale else raw[j] for j in scored]
         reasoning_len = [len(parts[j][0]) for j in scored]
         answer_len = [len(parts[j][1]) for j in scored]
         penalty = [
@@ -579,6 +604,40 @@ class JudgeEnv(SingleTurnEnv):
             metrics["unjudged"] = float(means[j] is None)
             scores.append(Score(judge + pen + bon, components, self.unscored(**metrics).metrics))
         return scores, errors
+
+    def _rescaled(self, score: float) -> float:
+        """A judge score on [0, 1]: a GenRM's 1-5 score as (score - 1) / 4; a reward model's
+        logit through the logistic function (its Bradley-Terry odds against a score of 0)."""
+        if self.scorer is not None:
+            from ptrain.envs.reward_model import logistic
+
+            return logistic(score)
+        return (score - 1.0) / 4.0
+
+    async def _reward_model_scores(
+        self, task: Task, judged: Sequence[int], texts: Sequence[str], errors: list[str | None]
+    ) -> list[float | None]:
+        """The reward model's score of each judged response (None for the others). The model
+        reads the whole response, reasoning included, as the rm stage trained it. A failure
+        makes every judged response of the group an env error (in `errors`)."""
+        out: list[float | None] = [None] * len(texts)
+        if not judged:
+            return out
+        try:
+            rows = [self.scorer.response_tokens(task.messages, texts[j]) for j in judged]
+            self.stats["reward_model_cut"] += sum(cut for _, cut in rows)
+            async with self._gate():
+                scores = await asyncio.to_thread(self.scorer.scores, [ids for ids, _ in rows])
+        except Exception as e:  # noqa: BLE001 - a failed scoring fails this group's responses, not the batch
+            log.exception("env %s task %s: the reward model failed", self.name, task.id)
+            message = f"the reward model ({self.options.reward_model_path}) failed: {type(e).__name__}: {str(e)[:300]}"
+            self.stats["judge_errors"] += 1
+            for j in judged:
+                errors[j] = message
+            return out
+        for j, value in zip(judged, scores):
+            out[j] = value
+        return out
 
     # ------------------------------------------------------------------ judge calls
 
@@ -641,6 +700,15 @@ class JudgeEnv(SingleTurnEnv):
         A tie, a reply without a verdict or a failed call counts as a miss. Returns agreement,
         rows and unparsed (replies without a verdict)."""
         right = unparsed = 0
+        if self.scorer is not None:  # each response scored on its own; a tie picks neither
+            for row in rows:
+                answers = [str(row["response_1"]), str(row["response_2"])]
+                ids = [self.scorer.response_tokens(list(row["messages"]), a)[0] for a in answers]
+                s1, s2 = await asyncio.to_thread(self.scorer.scores, ids)
+                if s1 != s2:
+                    right += (1 if s1 > s2 else 2) == int(row["better"])
+            n = max(len(rows), 1)
+            return {"agreement": right / n, "rows": float(len(rows)), "unparsed": 0.0}
         for k, row in enumerate(rows):
             task = Task(self.name, f"calibration-{k}", tuple(row["messages"]))
             answers = [str(row["response_1"]), str(row["response_2"])]

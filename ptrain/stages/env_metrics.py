@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from ptrain.envs.base import Environment, Trajectory
+from ptrain.envs.base import Environment, Trajectory, is_correct
 from ptrain.envs.mixture import env_task_seed
 from ptrain.rollout.protocol import SamplingParams
 
@@ -40,15 +40,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def is_correct(t: Trajectory) -> bool:
-    """Whether an episode solved its task. The environment's judged value (the `correct`
-    metric, 1 = right) decides, whatever reward it is scaled to (countdown pays 0.9 for it);
-    without that metric, a `correct` reward component of at least 1, else any positive reward."""
-    if "correct" in t.metrics:
-        return float(t.metrics["correct"]) >= 1.0
-    return float(t.reward_components.get("correct", 1.0 if t.reward > 0 else 0.0)) >= 1.0
 
 
 THINK_OPEN, THINK_CLOSE, TOOL_CALL_OPEN = "<think>", "</think>", "<tool_call>"

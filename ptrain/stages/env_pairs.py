@@ -32,21 +32,15 @@ import time
 from typing import Any
 
 from ptrain.config import RunConfig
-from ptrain.envs.demonstrations import prompt_messages
-from ptrain.stages.env_metrics import calls_a_tool, declares_tools, is_correct
+from ptrain.envs.base import is_correct
+from ptrain.envs.demonstrations import episode_messages, prompt_messages
+from ptrain.stages.env_metrics import calls_a_tool, declares_tools
 from ptrain.stages.policy_pairs import save_pairs, saved_pairs
 
 PAIRS_FILE = "env_pairs.jsonl"
 EVAL_PAIRS_FILE = "env_pairs_eval.jsonl"
 META_FILE = "env_pairs.json"
 CATEGORIES = ("no_tools", "with_tools", "hallucination")
-
-_ROLE = {"policy": "assistant", "tool": "tool", "env": "user"}
-
-
-def episode_messages(trajectory) -> list[dict[str, Any]]:
-    """The turns after the prompt as chat messages."""
-    return [{"role": _ROLE[t.role], "content": t.text} for t in trajectory.turns]
 
 
 def good_sample(t, *, tool_free: bool) -> bool:

@@ -6,6 +6,8 @@ Bradley-Terry loss (`ptrain.train.objectives.make_rm_objective`) -> metrics, hel
 pairwise accuracy, checkpoints -> export as a Hugging Face sequence classifier
 (*ForSequenceClassification, num_labels 1), whose logits in transformers are our scores.
 This is TRL's RewardTrainer / OpenRLHF's reward-model trainer, on the shared loop.
+With algo.dpo.env_pairs the pairs are the starting policy's own samples graded by the
+environments' verifiers, as a DPO stage samples them (`policy_env_pairs`).
 
 The export is a reward model, not a policy: a stage after this one with init=previous
 starts from the weights this one started from (`StageKind.exports_policy`). The decoder's
@@ -126,6 +128,22 @@ def rm_algorithm(run: RunConfig, model_def: ModelDef) -> Algorithm:
     )
 
 
+def policy_env_pairs(run: RunConfig, stage_dir: str, init_path: str | None, tokenizer):
+    """The DPO stage's environment pairs (algo.dpo.env_pairs and its sampling keys): the
+    starting policy's own samples graded by the environments' verifiers, sampled here before
+    the score head exists (the policy is placed for sampling, then dropped) or read back on
+    resume. Returns (training data config, held-out data config or None)."""
+    import optax
+
+    from ptrain.stages.env_pairs import env_pairs_data
+
+    mesh = stage_mesh(run)
+    policy = place_state(run, load_model(run, init_path or ensure_base_model(run, tokenizer), mesh, tokenizer),
+                         optax.set_to_zero(), mesh)  # fmt: skip
+    params, model_state = policy.state.params, policy.state.model_state
+    return env_pairs_data(run, stage_dir, policy, params, model_state, run.data, tokenizer)
+
+
 def run_rm_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict:
     """Run (or resume) one reward-model stage; returns its summary after export."""
     t_start = time.time()
@@ -135,7 +153,11 @@ def run_rm_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict:
             "set data: {format: preference} in the stage (rows need prompt, chosen and rejected)"
         )
     tokenizer = tokenizer_for(run, init_path)
-    data_cfg = stage_data(run, tokenizer)
+    held = None
+    if run.algo.dpo.env_pairs:
+        data_cfg, held = policy_env_pairs(run, stage_dir, init_path, tokenizer)
+    else:
+        data_cfg = stage_data(run, tokenizer)
     t = run.train
     stage = setup_rm_stage(run, stage_dir, init_path, tokenizer, t_start=t_start)
     placed = stage.placed
@@ -144,9 +166,10 @@ def run_rm_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict:
     )
     print(f"ptrain: {train_iter.n_examples} preference pairs; {train_iter.report.summary()}", flush=True)
     evaluators = []
-    if data_cfg.eval_path is not None and t.eval_batches > 0:
+    eval_cfg = held or data_cfg
+    if eval_cfg.eval_path is not None and t.eval_batches > 0:
         scores = jit_pair_scores(placed.model_def)
-        evaluators.append(pairwise_evaluator(run, scores, placed.mesh, data_cfg, tokenizer))
+        evaluators.append(pairwise_evaluator(run, scores, placed.mesh, eval_cfg, tokenizer))
     algorithm = rm_algorithm(run, placed.model_def)
     return train_evaluate_export(
         stage, algorithm, IteratorBatches(train_iter), report=train_iter.report, evaluators=evaluators

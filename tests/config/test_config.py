@@ -68,6 +68,8 @@ def test_a_grpo_stage_on_the_defaults_validates():
         (["stages=[{name: a, kind: sft}, {name: a, kind: sft}]"], "stages"),
         (["stages=[{name: a, kind: sft, init: /no/such/folder}]"], "stages[0].init"),
         (["stages=[{name: a, kind: dpo}]"], "data.format"),
+        (["stages=[{name: a, kind: sft, reward_model: /rm}]"], "stages[0].reward_model"),
+        (["env=arithmetic", "stages=[{name: g, kind: grpo, reward_model: ' '}]"], "stages[0].reward_model"),
         (["model.hf_path=/no/such/model"], "model.hf_path"),
         (["checkpoint.keep=0"], "checkpoint.keep"),
         (["algo.grpo.temperature=inf"], "algo.grpo.temperature"),
@@ -126,6 +128,14 @@ def test_unknown_key_is_rejected_at_composition():
     with pytest.raises(ConfigCompositionException) as e:
         composed("optim.learning_rate=1e-3")
     assert "learning_rate" in str(e.value) + str(e.value.__cause__)
+
+
+def test_a_reward_model_stage_refuses_policy_pairs(tmp_path):
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"prompt": "q", "chosen": "a", "rejected": "b"}\n')
+    with pytest.raises(ConfigError, match=r"stage 'r': config key 'algo.dpo.policy_pairs': a reward-model stage"):
+        to_run_config(composed("data.format=preference", "data.source=jsonl", f"data.train_path={pairs}",
+                               "algo.dpo.policy_pairs=4", "stages=[{name: r, kind: rm}]"))  # fmt: skip
 
 
 def test_unknown_key_in_a_stage_override_names_the_stage():

@@ -37,6 +37,7 @@ from ptrain.envs.judge import (
 from ptrain.envs.registry import ENV_CLASSES, env_class, make_env
 from ptrain.rollout.protocol import SamplingParams
 from ptrain.rollout.replay import Completion, ReplayEngine
+from tests.envs.reward_models import score_by_hand, tiny_reward_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SAMPLING = SamplingParams(max_new_tokens=512)
@@ -467,7 +468,11 @@ def test_prompts_from_jsonl(tok, tmp_path):
 @pytest.mark.parametrize(
     "options, key, why",
     [
-        ({"judge": "gpt"}, "judge", r"must be one of \['policy', 'openai'\]"),
+        ({"judge": "gpt"}, "judge", r"must be one of \['policy', 'openai', 'reward_model'\]"),
+        ({"judge": "reward_model"}, "reward_model_path", "needs a reward-model folder"),
+        ({"judge": "reward_model", "reward_model_path": "/m", "reward_model_max_tokens": 8},
+         "reward_model_max_tokens", ">= 16"),
+        ({"reward_model_path": "/m"}, "reward_model_path", "read only with judge reward_model"),
         ({"judge": "openai"}, "judge_url", "needs the endpoint's base URL"),
         ({"judge": "openai", "judge_url": "ftp://h", "judge_model": "m"}, "judge_url", "must be http"),
         ({"judge": "openai", "judge_url": "http://h:99999", "judge_model": "m"}, "judge_url", "port"),
@@ -569,3 +574,73 @@ def test_calibration_agreement_counts_right_wrong_ties_and_unparsed(tok, tmp_pat
         judge_agreement({"judge": env}, engine, str(path), seed=0)
     with pytest.raises(ConfigError, match="no judge environment"):
         judge_agreement({}, engine, str(path), seed=0)
+
+
+# ----------------------------------------------------------------------------- a Bradley-Terry reward model
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(tok, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("rm") / "export")
+    return path, tiny_reward_model(tok, path)
+
+
+def by_hand(tok, rm, messages, response: str) -> float:
+    return score_by_hand(tok, rm, [*messages, {"role": "assistant", "content": response}], len(messages))
+
+
+def test_a_reward_model_scores_each_response_once_without_asking_the_engine(tok, reward_model_dir):
+    """judge reward_model: one score per judgeable response, the exported model's score of
+    prompt + response (reasoning included), through the logistic function; no comparison
+    reaches the engine; length control acts on those scores; a truncated sample is unjudged."""
+    import math
+
+    path, rm = reward_model_dir
+    env = judge_env(tok, judge="reward_model", reward_model_path=path, answer_length_penalty=0.1)
+    task = env.tasks("train", seed=0)[0]
+    responses = ["<think>short</think>Yes.", "<think>a longer thought</think>Certainly, here it is.",
+                 "No idea at all, sorry.", Completion(text="cut off", finish="length")]  # fmt: skip
+    engine = scripted(tok, env, task, responses, {})
+    ts = rollout(env, task, engine, 4)
+    assert judge_requests(engine) == []
+    texts = [r if isinstance(r, str) else r.text for r in responses]
+    raw = [by_hand(tok, rm, task.messages, t) for t in texts[:3]]
+    assert len(set(round(x, 4) for x in raw)) == 3  # the model tells them apart
+    answers = [len(split_reasoning(t)[1]) for t in texts[:3]]
+    x = [(a - min(answers)) / (max(answers) - min(answers)) for a in answers]
+    for k, t in enumerate(ts[:3]):
+        assert t.error is None and t.metrics["judge_calls"] == 1 and t.metrics["tie_breaks"] == 0
+        assert t.reward_components["judge"] == pytest.approx(1 / (1 + math.exp(-raw[k])), abs=2e-5)
+        assert t.reward_components["length_penalty"] == pytest.approx(-0.1 * (x[k] - sum(x) / 3), abs=1e-6)
+    assert ts[3].reward == 0.0 and ts[3].metrics["truncated"] == 1 and ts[3].metrics["judge_calls"] == 0
+    assert env.stats["judge_calls"] == 3
+
+
+def test_a_reward_model_raw_scores_and_calibration(tok, reward_model_dir):
+    """rescale false gives the model's score itself; calibration counts the rows whose better
+    response the model scores higher."""
+    path, rm = reward_model_dir
+    env = judge_env(tok, judge="reward_model", reward_model_path=path, rescale=False)
+    task = env.tasks("train", seed=0)[0]
+    responses = ["Alpha.", "Beta, gamma."]
+    ts = rollout(env, task, scripted(tok, env, task, responses, {}), 2)
+    for t, r in zip(ts, responses):
+        assert t.reward == pytest.approx(by_hand(tok, rm, task.messages, r), abs=2e-5)
+    msgs = ({"role": "user", "content": "Say something."},)
+    a, b = by_hand(tok, rm, msgs, "Alpha."), by_hand(tok, rm, msgs, "Beta, gamma.")
+    better = 1 if a > b else 2
+    rows = [{"messages": list(msgs), "response_1": "Alpha.", "response_2": "Beta, gamma.", "better": better},
+            {"messages": list(msgs), "response_1": "Alpha.", "response_2": "Beta, gamma.", "better": 3 - better}]  # fmt: skip
+    out = asyncio.run(env.calibrate(rows, engine=None))
+    assert out == {"agreement": 0.5, "rows": 2.0, "unparsed": 0.0}
+
+
+def test_a_missing_reward_model_is_refused_when_the_environment_is_built(tok, tmp_path):
+    with pytest.raises(EnvConfigError, match=r"envs\.judge\.options\.reward_model_path': no reward model at .*"
+                       r"run a stage of kind rm before this one"):  # fmt: skip
+        judge_env(tok, judge="reward_model", reward_model_path=str(tmp_path / "nothing"))
+    policy = tmp_path / "policy"
+    policy.mkdir()
+    (policy / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    with pytest.raises(EnvConfigError, match="not a reward model"):
+        judge_env(tok, judge="reward_model", reward_model_path=str(policy))

@@ -40,9 +40,9 @@ import numpy as np
 from ptrain.config import RunConfig
 from ptrain.config.cost import cpu_cores
 from ptrain.config.grpo import staleness_bound
+from ptrain.envs.base import is_correct
 from ptrain.parallel.multihost import broadcast_from_primary, is_primary
 from ptrain.rollout.protocol import EngineUnavailable, SamplingParams
-from ptrain.stages.env_metrics import is_correct
 from ptrain.stages.grpo.batch import measured_advantages, policy_batch
 from ptrain.stages.grpo.collector import Group, RolloutCollector
 from ptrain.stages.loop import Algorithm, train_evaluate_export
@@ -381,6 +381,21 @@ class RolloutBatches:
         return m
 
 
+def scored_by_reward_model(run: RunConfig, envs: dict, tokenizer) -> dict:
+    """The stage's environments with stages[i].reward_model scoring their episodes."""
+    from ptrain.envs.registry import close_envs
+    from ptrain.envs.reward_model import RewardModelScored, RewardModelScorer
+
+    try:
+        scorer = RewardModelScorer(run.stage.reward_model, tokenizer, max_tokens=run.train.seq_len,
+                                   what=f"stages.{run.stage.name}.reward_model")  # fmt: skip
+    except Exception:
+        close_envs(envs)
+        raise
+    print(f"ptrain: stage '{run.stage.name}' is rewarded by the reward model at {run.stage.reward_model}", flush=True)
+    return {name: RewardModelScored(env, scorer) for name, env in envs.items()}
+
+
 def run_grpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict:
     """Run (or resume) one GRPO-family stage; returns its summary after export."""
     from ptrain.data.report import BadRowReport
@@ -399,6 +414,8 @@ def run_grpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
 
     configs = [run.envs[n] for n in (run.stage.envs or sorted(run.envs))]
     envs = {e.env_name: make_env(e, tokenizer=tokenizer, sandbox=run.sandbox) for e in configs}
+    if run.stage.reward_model is not None:
+        envs = scored_by_reward_model(run, envs, tokenizer)
     seed = component_seed(run, "train.seed")
     tasks = EnvMixture(list(envs.values()), [e.weight for e in configs], seed=seed)
     if cfg.drop_solved or cfg.pass_rate_target is not None:
