@@ -22,7 +22,8 @@ Reward models (`RewardModel`: a decoder with a scalar score head) are written as
 family's *ForSequenceClassification with num_labels 1 (`save_hf_reward_model`): the
 decoder's tensors under `model.` without `lm_head.weight`, plus `score.weight` [1, D], and
 config.json's pad_token_id, by which transformers picks the scored token;
-`load_hf_reward_model` reads one back. load_hf refuses such a folder by name rather than
+`load_hf_reward_model` reads one back (also for dots1, whose classifier transformers lacks:
+PTRAIN_ONLY_CLASSIFIERS). load_hf refuses such a folder by name rather than
 reporting a missing LM head.
 
 Safety: only safetensors are read (memory-mapped, tensor by tensor); pickled weights are
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 from collections import defaultdict
@@ -47,6 +49,8 @@ from ptrain.config.model import ModelConfig
 from ptrain.models.decoder import Decoder, RewardModel, layer_groups, moe_layer_flags
 from ptrain.models.layers import as_dtype
 from ptrain.models.safetensors_io import FLOAT_CODES, open_folder, write_sharded
+
+log = logging.getLogger(__name__)
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -601,11 +605,13 @@ def _write_folder(
 # --------------------------------------------------------------------------- reward models
 
 SEQUENCE_CLASSIFICATION = {
-    fam: arch.removesuffix("ForCausalLM") + "ForSequenceClassification"
-    for fam, arch in ARCHITECTURES.items()
-    if fam != "dots1"  # transformers has no Dots1ForSequenceClassification
+    fam: arch.removesuffix("ForCausalLM") + "ForSequenceClassification" for fam, arch in ARCHITECTURES.items()
 }
-"""HF model_type -> the transformers class a reward model of that family is written as."""
+"""HF model_type -> the class a reward model of that family is written as."""
+PTRAIN_ONLY_CLASSIFIERS = frozenset({"dots1"})
+"""Families whose sequence-classification class transformers lacks (Dots1ForSequenceClassification):
+their reward-model folders have the same layout (model.* and score.weight) and
+load_hf_reward_model reads them, but transformers does not."""
 
 
 def reward_config_to_hf(cfg: ModelConfig, pad_token_id: int | None) -> dict:
@@ -614,12 +620,6 @@ def reward_config_to_hf(cfg: ModelConfig, pad_token_id: int | None) -> dict:
     transformers reads num_labels from id2label; pad_token_id is what it pools by (the
     rightmost token that is not pad), so a batch of more than one row needs it set."""
     fam = hf_family(cfg)
-    if fam not in SEQUENCE_CLASSIFICATION:
-        raise ValueError(
-            f"model.family={cfg.family!r} (HF model_type {fam}) has no sequence-classification class in "
-            f"transformers, so its reward model could not be loaded there; train the reward model on one of "
-            f"{sorted(SEQUENCE_CLASSIFICATION)}"
-        )
     hf = config_to_hf(cfg)
     hf.update(
         architectures=[SEQUENCE_CLASSIFICATION[fam]],
@@ -655,6 +655,12 @@ def save_hf_reward_model(
     then equals the model's scores. dtype, max_shard_bytes: as in save_hf."""
     cfg = model.cfg
     hf = reward_config_to_hf(cfg, model.pad_token_id)
+    if hf_family(cfg) in PTRAIN_ONLY_CLASSIFIERS:
+        log.warning(
+            "%s: transformers has no %s, so this reward model loads in ptrain (load_hf_reward_model) and not in "
+            "transformers; train it on %s for a folder transformers reads",
+            path, hf["architectures"][0], sorted(set(SEQUENCE_CLASSIFICATION) - PTRAIN_ONLY_CLASSIFIERS),
+        )  # fmt: skip
     flat = _flat_state(model)
     _write_folder(
         path, hf, reward_tensor_map(cfg), flat, tokenizer, dtype, max_shard_bytes, pad_token_id=model.pad_token_id
@@ -697,6 +703,7 @@ def load_hf_reward_model(
 
 __all__ = [
     "ARCHITECTURES",
+    "PTRAIN_ONLY_CLASSIFIERS",
     "SEQUENCE_CLASSIFICATION",
     "TensorMapping",
     "config_from_hf",

@@ -326,6 +326,13 @@ def test_nemotron_like_published_scale_names_every_value_its_launch_must_give():
     with pytest.raises(ConfigError) as e:
         to_run_config(cfg, args)
     msg = str(e.value)
-    for key in ("model.hf_path=...", "data.train_path=...", "+envs.math.options.url=...", "+envs.code.options.rows="):
+    for key in (
+        "model.hf_path=...",
+        "data.train_path=...",
+        "+envs.math.options.url=...",
+        "+envs.code.options.rows=",
+        "+envs.rlhf.options.judge_url=",
+        "+envs.rlhf.options.path=",
+    ):
         assert key in msg
     assert "+model.hf_path" not in msg

@@ -228,9 +228,23 @@ def test_the_export_loads_in_transformers_with_our_scores(tmp_path):
         load_hf(path)
 
 
-def test_a_family_without_a_transformers_classifier_is_refused():
-    with pytest.raises(ValueError, match="no sequence-classification class"):
-        reward_config_to_hf(ModelConfig(family="dots1"), pad_token_id=0)
+def test_a_dots1_reward_model_round_trips_through_ptrain(tmp_path, caplog):
+    """transformers has no Dots1ForSequenceClassification; the folder is written anyway, with a
+    warning that says so, and load_hf_reward_model reads it back with the same scores."""
+    from ptrain.models import load_hf_reward_model, save_hf_reward_model
+
+    cfg = ModelConfig(family="dots1", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                      d_ff=48, d_ff_expert=16, n_experts=4, top_k=2, n_shared_experts=1, max_seq_len=64,
+                      router="sigmoid", qk_norm=True)  # fmt: skip
+    rm = RewardModel(Decoder(cfg, rngs=nnx.Rngs(0)), rngs=nnx.Rngs(1), pad_token_id=3)
+    assert reward_config_to_hf(cfg, pad_token_id=3)["architectures"] == ["Dots1ForSequenceClassification"]
+    path = str(tmp_path / "rm")
+    with caplog.at_level("WARNING", logger="ptrain.models.hf"):
+        save_hf_reward_model(rm, path)
+    assert "transformers has no Dots1ForSequenceClassification" in caplog.text
+    ids = np.array([[5, 6, 7, 8, 3, 3], [9, 10, 11, 12, 13, 14]], np.int32)
+    back = load_hf_reward_model(path)
+    np.testing.assert_allclose(np.asarray(back(jnp.asarray(ids))), np.asarray(rm(jnp.asarray(ids))), atol=1e-5)
 
 
 # ----------------------------------------------------------------------------------- the config
