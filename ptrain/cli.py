@@ -73,6 +73,17 @@ def _check_search(run: RunConfig) -> None:
             "objective=<a final metric of the last stage> (e.g. objective=eval/sampled/accuracy, a key of its "
             "metrics.jsonl) and hydra.sweeper.direction=maximize or minimize"
         )
+    last = run.stages[-1]
+    parts = run.objective.split("/")
+    if last.kind in ("eval", "grpo") and len(parts) >= 3 and parts[0] == "eval":
+        envs = sorted(last.envs or run.envs)
+        named = parts[1]
+        if named != "sampled" and not named.startswith("budget_") and named not in envs:
+            _stop_search(
+                f"'{run.objective}' names environment '{named}', which the last stage '{last.name}' does not "
+                f"evaluate; its environments are {envs} (e.g. objective=eval/{envs[0] if envs else 'ENV'}/"
+                "sampled/accuracy), or drop the environment for the mean over all: eval/sampled/accuracy"
+            )
     if not any(o.split("=", 1)[0] == "hydra.sweeper.direction" for o in HydraConfig.get().overrides.hydra):
         _stop_search(
             f"'{run.objective}' is searched without a direction, and optuna's default minimises it; pass "

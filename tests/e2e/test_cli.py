@@ -341,6 +341,12 @@ def test_optuna_search_without_a_usable_objective_stops_at_the_first_trial(tmp_p
     out = cli(*search[:1], "recipe=countdown_zero", *search[2:], f"hydra.sweep.dir={tmp_path / 'nodir'}", check=False)
     assert out.returncode == 2 and "without a direction" in out.stderr and "direction=maximize" in out.stderr
     assert not (tmp_path / "nodir" / "job0" / "stages").exists()
+    # an environment the last stage does not evaluate: refused before the first trial trains
+    misspelt = ["objective=eval/countdwn/sampled/accuracy", "hydra.sweeper.direction=maximize",
+                f"hydra.sweep.dir={tmp_path / 'env'}"]  # fmt: skip
+    out = cli(*search[:1], "recipe=countdown_zero", *search[2:], *misspelt, check=False)
+    assert out.returncode == 2 and "names environment 'countdwn', which the last stage 'eval'" in out.stderr
+    assert "['countdown']" in out.stderr and not (tmp_path / "env" / "job0" / "stages").exists()
 
 
 @pytest.mark.slow
