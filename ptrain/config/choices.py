@@ -63,6 +63,9 @@ TASK_OPS = ("+", "-", "*")
 
 # --- mesh (mesh.*), built by ptrain.parallel.mesh
 MESH_AXES = ("data", "fsdp", "context", "tensor", "expert")
+BATCH_AXES = ("data", "fsdp", "expert")
+"""The mesh axes every batch is split over (its logical `batch` axis): the batch must divide
+over data x fsdp x expert, and mesh.rules cannot move it."""
 
 
 def one_of(choices: tuple[str, ...]) -> str:

@@ -627,6 +627,16 @@ def _validate_values(run: RunConfig, where: str = "") -> None:
     for axis in ("fsdp", "context", "tensor", "expert"):
         c(getattr(mesh, axis) >= 1, f"mesh.{axis}", f"must be >= 1, got {getattr(mesh, axis)}")
     c(mesh.data == -1 or mesh.data >= 1, "mesh.data", f"must be -1 (fill) or >= 1, got {mesh.data}")
+    for i, rule in enumerate(mesh.rules or ()):
+        c(isinstance(rule, (list, tuple)) and len(rule) == 2 and isinstance(rule[0], str), f"mesh.rules[{i}]",
+          f"must be a pair [logical_axis, mesh_axis or [mesh_axes] or null], got {rule!r}")  # fmt: skip
+        logical, target = rule
+        axes = [] if target is None else list(target) if isinstance(target, (list, tuple)) else [target]
+        bad = [a for a in axes if a not in C.MESH_AXES]
+        c(not bad, f"mesh.rules[{i}]", f"names {bad}, which are not mesh axes; pass {one_of(C.MESH_AXES)} (or null)")
+        c(logical != "batch" or tuple(axes) == C.BATCH_AXES, f"mesh.rules[{i}]",
+          f"every batch is split over {list(C.BATCH_AXES)} (the data-parallel size data x fsdp x expert the batch "
+          f"must divide by), got {axes}; drop the batch rule, and pick the split with the mesh.* sizes")  # fmt: skip
     c(run.checkpoint.keep >= 1, "checkpoint.keep", f"must be >= 1, got {run.checkpoint.keep}")
     c(run.checkpoint.every_steps >= 0, "checkpoint.every_steps", f"must be >= 0, got {run.checkpoint.every_steps}")
     a = run.algo

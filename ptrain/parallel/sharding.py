@@ -9,13 +9,14 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ptrain.config.choices import BATCH_AXES
+
 # Logical axis -> mesh axes, tried in order. Params are sharded over fsdp on their
 # embedding dimension (ZeRO-3 style) and over tensor on heads / MLP hidden; experts over
 # the expert axis. Activations' batch axis spans data, fsdp and expert, their sequence
 # (`length`) axis the context axis: outside the MoE blocks the expert axis is one more
 # data-parallel axis (as in MaxText), so attention is not computed E times over, and the
 # MoE block's all-to-all starts from tokens already split over the expert axis.
-BATCH_AXES = ("data", "fsdp", "expert")
 DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("batch", BATCH_AXES),
     ("length", "context"),
