@@ -80,8 +80,9 @@ class JudgeOptions:
     rm. Read when the environment is built (by the stages that sample it), so an earlier stage
     of the same run may write it."""
     reward_model_max_tokens: int = 2048
-    """With judge reward_model: tokens (>= 16) of prompt and response the model reads; a longer
-    conversation is cut at the end and counted in the environment's reward_model_cut stat."""
+    """With judge reward_model: tokens (>= 16; at most the model's positions) of prompt and
+    response the model reads; a longer conversation is cut at the end and counted in the
+    environment's reward_model_cut stat."""
     judge_url: str | None = None
     """With judge openai: the server's base URL, http(s)://host:port with an optional path
     prefix (a trailing /v1 may be given or not); requests go to <url>/v1/chat/completions."""
@@ -121,8 +122,8 @@ class JudgeOptions:
     NeMo Gym's genrm_compare moves 3.5 - r, which is tie_break 2.5."""
     rescale: bool = True
     """Map the judge's 1-5 score to [0, 1] as (score - 1) / 4 (a tie-break can move it past
-    either end by at most tie_break / 4), in line with the other kinds' rewards. False: the
-    raw score, as Nano's rewards are."""
+    either end by at most tie_break / 4), and a reward model's score through the logistic
+    function, in line with the other kinds' rewards. False: the raw score, as Nano's rewards are."""
     reasoning_length_penalty: float = 0.0
     """Coefficient (>= 0) of the zero-centred group-relative penalty on reasoning length
     (characters inside <think>...</think>); Nano's group_reasoning_length_penalty_coeff."""

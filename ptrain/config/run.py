@@ -244,6 +244,13 @@ def stage_config(run: RunConfig, stage: StageConfig) -> RunConfig:
     if stage.kind == "grpo":
         _grpo_stage_batch(out, f"stage '{stage.name}': ")
     _validate_values(out, where=f"stage '{stage.name}': ")
+    _check(
+        not (stage.kind == "rm" and out.algo.dpo.policy_pairs),
+        "algo.dpo.policy_pairs",
+        "a reward-model stage takes pairs from its data or from the environments (algo.dpo.env_pairs, graded by "
+        "their verifiers); policy pairs are graded against the data's answers by a DPO stage only, so set it to 0",
+        f"stage '{stage.name}': ",
+    )
     try:
         processes = run.distributed.resolve().num_processes
     except ValueError as e:
@@ -254,13 +261,6 @@ def stage_config(run: RunConfig, stage: StageConfig) -> RunConfig:
         "model.lora.rank",
         "a reward model trains its new score head, which an adapter does not cover; train the rm stage without "
         "LoRA (model.lora.rank=0)",
-        f"stage '{stage.name}': ",
-    )
-    _check(
-        not (stage.kind == "rm" and out.algo.dpo.policy_pairs),
-        "algo.dpo.policy_pairs",
-        "a reward-model stage takes pairs from its data or from the environments (algo.dpo.env_pairs, graded by "
-        "their verifiers); policy pairs are graded against the data's answers by a DPO stage only, so set it to 0",
         f"stage '{stage.name}': ",
     )
     need = STAGES[stage.kind].data_format if stage.kind in STAGES else None

@@ -545,6 +545,9 @@ class JudgeEnv(SingleTurnEnv):
         errors: list[str | None] = [None] * n
         calls, failures, tie_breaks = [0] * n, [0] * n, [0] * n
         if self.scorer is not None:
+            # An empty answer is never scored: the rm stage's pairs hold none, so the model has
+            # no score for one worth trusting (it gets the unjudged reward 0).
+            judged = [j for j in judged if parts[j][1]]
             means = await self._reward_model_scores(task, judged, texts, errors)
             for j in judged:
                 calls[j] = 1

@@ -10,8 +10,8 @@ real token.
 The model runs in the process that samples (the driver), on JAX's default device, in a worker
 thread so the event loop keeps serving other rollouts. Rows are padded to a power of two of
 tokens (at least 64) and batches to a power of two of rows, so a run compiles a handful of
-shapes. A row longer than `max_tokens` keeps its first max_tokens tokens: the score then
-reads a cut response, which the caller reports.
+shapes. A row longer than `max_tokens` (at most the model's max_position_embeddings) keeps
+its first max_tokens tokens: the score then reads a cut response, which the caller counts.
 """
 
 from __future__ import annotations
@@ -34,37 +34,63 @@ def _bucket(n: int, lo: int) -> int:
 
 
 class RewardModelScorer:
-    """Scores (messages, response) rows with a reward model folder (module docstring)."""
+    """Scores (messages, response) rows with a reward model folder (module docstring).
+
+    Checked when built (a folder that is no reward model, or whose tokenizer is not the
+    policy's, is an EnvConfigError naming `what`); the weights load at the first score, so a
+    process that never scores (every one of a multi-process stage but the one that samples)
+    holds none."""
 
     def __init__(self, path: str, tokenizer: Any, *, max_tokens: int, what: str):
         from ptrain.config.env_options import EnvConfigError
+        from ptrain.models.hf import read_hf_config
 
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise EnvConfigError(
                 f"config key '{what}': no reward model at {path!r} (no config.json); run a stage of kind rm "
-                "before this one (its export is <run_dir>/stages/<name>/export) or pass a Hugging Face "
+                "before any stage that samples with it (its export is <run_dir>/stages/<name>/export; an earlier "
+                "stage that samples every environment lists its own in stages[].envs) or pass a Hugging Face "
                 "sequence-classification folder"
             )
+        hf = read_hf_config(path)
+        archs = [str(a) for a in hf.get("architectures") or []]
+        if not any(a.endswith("ForSequenceClassification") for a in archs):
+            raise EnvConfigError(
+                f"config key '{what}': {path} holds {archs or 'no architectures'}, not a reward model "
+                "(*ForSequenceClassification); train one with a stage of kind rm"
+            )
+        own = os.path.join(path, "tokenizer.json")
+        if os.path.isfile(own) and hasattr(tokenizer, "get_vocab"):
+            from transformers import PreTrainedTokenizerFast
+
+            if PreTrainedTokenizerFast(tokenizer_file=own).get_vocab() != tokenizer.get_vocab():
+                raise EnvConfigError(
+                    f"config key '{what}': the reward model at {path} has its own tokenizer, not the policy's; it "
+                    "reads the policy's token ids, so train it from the policy's weights (a stage of kind rm)"
+                )
+        self.path = path
+        self.what = what
+        self.tokenizer = tokenizer
+        trained = hf.get("max_position_embeddings")
+        self.max_tokens = min(max_tokens, int(trained)) if isinstance(trained, int) and trained > 0 else max_tokens
+        """Tokens a row keeps: the caller's limit, and at most the positions the model has."""
+        self._model: Any = None
+        self._lock = threading.Lock()
+
+    def _load(self) -> None:
         import jax
         from flax import nnx
 
+        from ptrain.config.env_options import EnvConfigError
         from ptrain.models import load_hf_reward_model
 
         try:
-            model = load_hf_reward_model(path)
+            model = load_hf_reward_model(self.path)
         except (FileNotFoundError, ValueError) as e:
-            raise EnvConfigError(f"config key '{what}': {e}") from None
-        self.path = path
-        self.tokenizer = tokenizer
-        self.max_tokens = max_tokens
+            raise EnvConfigError(f"config key '{self.what}': {e}") from None
+        graphdef, state = nnx.split(model)
         self.vocab_size = model.cfg.vocab_size
-        self._graphdef, self._state = nnx.split(model)
-        self._lock = threading.Lock()
-
-        def score(state, ids, segments):
-            return nnx.merge(self._graphdef, state)(ids, segment_ids=segments)
-
-        self._score = jax.jit(score)
+        self._model = (jax.jit(lambda st, ids, seg: nnx.merge(graphdef, st)(ids, segment_ids=seg)), state)
 
     def tokens(self, messages: Sequence[Mapping[str, Any]], n_prompt: int) -> tuple[np.ndarray, bool]:
         """Token ids of a conversation whose first n_prompt messages are the prompt (rendered as
@@ -82,27 +108,31 @@ class RewardModelScorer:
         """The model's score of each row of token ids (float32 scalars as floats)."""
         if not rows:
             return []
-        for ids in rows:
-            if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
-                raise ValueError(
-                    f"token id {int(ids.max())} is outside the reward model's vocabulary of {self.vocab_size} "
-                    f"({self.path}); the reward model must share the policy's tokenizer"
-                )
-        length = _bucket(max(len(r) for r in rows), MIN_BUCKET)
-        batch = _bucket(len(rows), 1)
-        ids = np.zeros((batch, length), np.int32)
-        segments = np.zeros((batch, length), np.int32)
-        for k, r in enumerate(rows):
-            ids[k, : len(r)] = r
-            segments[k, : len(r)] = 1
         with self._lock:
-            out = np.asarray(self._score(self._state, ids, segments))
+            if self._model is None:
+                self._load()
+            for r in rows:
+                if r.size and (r.min() < 0 or r.max() >= self.vocab_size):
+                    raise ValueError(
+                        f"token id {int(r.max())} is outside the reward model's vocabulary of {self.vocab_size} "
+                        f"({self.path}); the reward model must share the policy's tokenizer"
+                    )
+            length = _bucket(max(len(r) for r in rows), MIN_BUCKET)
+            batch = _bucket(len(rows), 1)
+            ids = np.zeros((batch, length), np.int32)
+            segments = np.zeros((batch, length), np.int32)
+            for k, r in enumerate(rows):
+                ids[k, : len(r)] = r
+                segments[k, : len(r)] = 1
+            score, state = self._model
+            out = np.asarray(score(state, ids, segments))
         return [float(x) for x in out[: len(rows)]]
 
 
 UNSCORED_FINISHES = ("length", "token_limit", "abort", "error")
-"""Finish reasons whose episodes keep the environment's own (zero) reward: cut, aborted or failed.
-With the environment's score_truncated, "length" is scored."""
+"""Finish reasons whose episodes the reward model does not score: cut, aborted or failed. With
+the environment's score_truncated, cut ones ("length", "token_limit") are scored."""
+CUT_FINISHES = ("length", "token_limit")
 
 
 def logistic(score: float) -> float:
@@ -113,29 +143,34 @@ def logistic(score: float) -> float:
 class RewardModelScored:
     """An environment whose finished episodes a reward model scores in place of its verifier.
 
-    Tasks, prompts, tools and episodes are the wrapped environment's; each episode that it
-    scored (no error, finished; cut ones only with its score_truncated) gets reward
-    sigmoid(the model's score of the prompt and every turn after it, as preference pairs render
-    them) and the single component `reward_model`. The verifier's verdict stays as metrics:
-    `verifier_reward` (its reward) and `correct` (whether it solved the task), so accuracy and
-    pass@k still measure the task while training optimises the learned reward. A scoring
-    failure makes the group's scored episodes env errors (no loss tokens). Every other
-    attribute is the wrapped environment's.
+    Tasks, prompts, tools and episodes are the wrapped environment's (`inner`). Each episode
+    without an error that finished (cut ones too with the environment's score_truncated) and
+    whose policy wrote something gets reward sigmoid(the model's score of the prompt and every
+    turn after it, as preference pairs render them) and the single component `reward_model`.
+    Every other episode gets reward 0 and that component 0: the model never saw empty or cut
+    answers in training, so it has no score for them worth trusting. The verifier's verdict
+    stays as metrics: `verifier_reward` (its reward) and `correct` (whether it solved the
+    task), so accuracy and pass@k still measure the task while training optimises the learned
+    reward. A scoring failure makes the group's scored episodes env errors (no loss tokens).
+    Every other attribute is the wrapped environment's.
     """
 
-    def __init__(self, env: Any, scorer: RewardModelScorer):
-        self.env = env
+    def __init__(self, inner: Any, scorer: RewardModelScorer):
+        self.inner = inner
         self.scorer = scorer
-        self.name = env.name
-        env.stats.setdefault("reward_model_cut", 0)
-        env.stats.setdefault("reward_model_errors", 0)
+        self.name = inner.name
+        inner.stats.setdefault("reward_model_cut", 0)
+        inner.stats.setdefault("reward_model_errors", 0)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.env, name)
+        return getattr(self.inner, name)
 
     def scored(self, t: Any) -> bool:
-        truncated_ok = bool(getattr(self.env.cfg, "score_truncated", False)) and t.finish_reason == "length"
-        return t.error is None and (t.finish_reason not in UNSCORED_FINISHES or truncated_ok)
+        """Whether the model scores episode t (class docstring)."""
+        if t.error is not None or not any(turn.text.strip() for turn in t.turns if turn.role == "policy"):
+            return False
+        cut_ok = bool(getattr(self.inner.cfg, "score_truncated", False)) and t.finish_reason in CUT_FINISHES
+        return t.finish_reason not in UNSCORED_FINISHES or cut_ok
 
     async def rollout(self, task: Any, engine: Any, sampling: Any) -> list[Any]:
         import asyncio
@@ -143,18 +178,25 @@ class RewardModelScored:
         from ptrain.envs.base import is_correct
         from ptrain.envs.demonstrations import episode_messages, prompt_messages
 
-        out = list(await self.env.rollout(task, engine, sampling))
+        out = list(await self.inner.rollout(task, engine, sampling))
+
+        def verdict(t: Any) -> dict[str, float]:
+            return {**t.metrics, "verifier_reward": float(t.reward), "correct": float(is_correct(t))}
+
         keep = [k for k, t in enumerate(out) if self.scored(t)]
+        for k, t in enumerate(out):
+            if k not in keep and t.error is None:
+                out[k] = dataclasses.replace(t, reward=0.0, reward_components={"reward_model": 0.0}, metrics=verdict(t))
         if not keep:
             return out
-        prompt = prompt_messages(self.env, task)
+        prompt = prompt_messages(self.inner, task)
         try:
             rows = [self.scorer.tokens(prompt + episode_messages(out[k]), len(prompt)) for k in keep]
-            self.env.stats["reward_model_cut"] += sum(cut for _, cut in rows)
+            self.inner.stats["reward_model_cut"] += sum(cut for _, cut in rows)
             scores = await asyncio.to_thread(self.scorer.scores, [ids for ids, _ in rows])
         except Exception as e:  # noqa: BLE001 - a failed scoring fails this group's episodes, not the batch
             why = f"the reward model ({self.scorer.path}) failed: {type(e).__name__}: {str(e)[:300]}"
-            self.env.stats["reward_model_errors"] += 1
+            self.inner.stats["reward_model_errors"] += 1
             for k in keep:
                 n = len(out[k].token_ids)
                 out[k] = dataclasses.replace(out[k], finish_reason="error", error=why, reward=0.0,
@@ -163,7 +205,6 @@ class RewardModelScored:
         for k, score in zip(keep, scores):
             t = out[k]
             reward = logistic(score)
-            metrics = {**t.metrics, "verifier_reward": float(t.reward), "correct": float(is_correct(t)),
-                       "reward_model_score": float(score)}  # fmt: skip
+            metrics = {**verdict(t), "reward_model_score": float(score)}
             out[k] = dataclasses.replace(t, reward=reward, reward_components={"reward_model": reward}, metrics=metrics)
         return out

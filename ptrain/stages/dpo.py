@@ -140,7 +140,8 @@ def run_dpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict
         data_cfg, held = policy_pairs_data(run, stage_dir, placed, init_params, init_mstate, data_cfg, tokenizer)
         pref_eval_cfg = held or data_cfg
     elif algo.env_pairs:
-        data_cfg, held = env_pairs_data(run, stage_dir, placed, init_params, init_mstate, data_cfg, tokenizer)
+        data_cfg, held = env_pairs_data(run, stage_dir, lambda: (placed, init_params, init_mstate), data_cfg,
+                                        tokenizer)  # fmt: skip
         pref_eval_cfg = held or data_cfg
 
     train_iter = make_preference_iterator(

@@ -139,10 +139,11 @@ async def _rollouts(env: Environment, tasks, engine, sampling: SamplingParams, s
 
 def declares_tools(env: Environment) -> bool:
     """Whether the environment may offer the policy tools: any but a single-turn kind (those
-    answer in one turn and declare none)."""
+    answer in one turn and declare none). A wrapper (a reward model scoring the episodes)
+    answers for the environment it wraps (`inner`)."""
     from ptrain.envs.single_turn import SingleTurnEnv
 
-    return not isinstance(env, SingleTurnEnv)
+    return not isinstance(getattr(env, "inner", env), SingleTurnEnv)
 
 
 def with_budget_prompt(task, budget: int):

@@ -130,9 +130,11 @@ def sample_pairs(envs_tasks, engine, sampling, seed: int) -> tuple[list[dict[str
     return pairs, counts
 
 
-def env_pairs_data(run: RunConfig, stage_dir: str, placed, params, model_state, data_cfg, tokenizer):
+def env_pairs_data(run: RunConfig, stage_dir: str, policy, data_cfg, tokenizer):
     """(training data config, held-out data config or None) pointing at the stage's
-    environment pairs; sampled now with the starting weights, or read back on resume."""
+    environment pairs; sampled now with the starting weights, or read back on resume.
+    policy() gives (placed, params, model_state) to sample with; it is called only when the
+    pairs are not on disk already."""
     from ptrain.config.seeds import component_seed
     from ptrain.envs.mixture import EnvMixture, env_task_seed
     from ptrain.envs.registry import close_envs, make_env
@@ -157,6 +159,7 @@ def env_pairs_data(run: RunConfig, stage_dir: str, placed, params, model_state, 
     configs_ = [run.envs[n] for n in settings["envs"]]
     envs = {e.env_name: make_env(e, tokenizer=tokenizer, sandbox=run.sandbox) for e in configs_}
     seed = component_seed(run, "train.seed")
+    placed, params, model_state = policy()
     state = placed.state.replace(params=params, model_state=model_state)
     max_len = placed.model_def.bind(params, model_state).cfg.max_seq_len
     engine = eval_engine(run, placed, state, longest_prompt=max_len, max_new_tokens=0)

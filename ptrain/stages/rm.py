@@ -4,7 +4,8 @@ Driver only: the starting decoder with a fresh scalar score head (`ptrain.models
 -> the DPO stage's preference batches (prompt, chosen, rejected) -> jitted step of the
 Bradley-Terry loss (`ptrain.train.objectives.make_rm_objective`) -> metrics, held-out
 pairwise accuracy, checkpoints -> export as a Hugging Face sequence classifier
-(*ForSequenceClassification, num_labels 1), whose logits in transformers are our scores.
+(*ForSequenceClassification, num_labels 1), whose logits in transformers are our scores
+(dots1 has no such class in transformers: its folder loads in ptrain only).
 This is TRL's RewardTrainer / OpenRLHF's reward-model trainer, on the shared loop.
 With algo.dpo.env_pairs the pairs are the starting policy's own samples graded by the
 environments' verifiers, as a DPO stage samples them (`policy_env_pairs`).
@@ -132,16 +133,19 @@ def policy_env_pairs(run: RunConfig, stage_dir: str, init_path: str | None, toke
     """The DPO stage's environment pairs (algo.dpo.env_pairs and its sampling keys): the
     starting policy's own samples graded by the environments' verifiers, sampled here before
     the score head exists (the policy is placed for sampling, then dropped) or read back on
-    resume. Returns (training data config, held-out data config or None)."""
+    resume (without loading the policy). Returns (training data config, held-out data config
+    or None)."""
     import optax
 
     from ptrain.stages.env_pairs import env_pairs_data
 
-    mesh = stage_mesh(run)
-    policy = place_state(run, load_model(run, init_path or ensure_base_model(run, tokenizer), mesh, tokenizer),
-                         optax.set_to_zero(), mesh)  # fmt: skip
-    params, model_state = policy.state.params, policy.state.model_state
-    return env_pairs_data(run, stage_dir, policy, params, model_state, run.data, tokenizer)
+    def policy():
+        mesh = stage_mesh(run)
+        decoder = load_model(run, init_path or ensure_base_model(run, tokenizer), mesh, tokenizer)
+        placed = place_state(run, decoder, optax.set_to_zero(), mesh)
+        return placed, placed.state.params, placed.state.model_state
+
+    return env_pairs_data(run, stage_dir, policy, run.data, tokenizer)
 
 
 def run_rm_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict:

@@ -637,7 +637,7 @@ def test_a_reward_model_raw_scores_and_calibration(tok, reward_model_dir):
 
 def test_a_missing_reward_model_is_refused_when_the_environment_is_built(tok, tmp_path):
     with pytest.raises(EnvConfigError, match=r"envs\.judge\.options\.reward_model_path': no reward model at .*"
-                       r"run a stage of kind rm before this one"):  # fmt: skip
+                       r"run a stage of kind rm before any stage that samples with it"):  # fmt: skip
         judge_env(tok, judge="reward_model", reward_model_path=str(tmp_path / "nothing"))
     policy = tmp_path / "policy"
     policy.mkdir()

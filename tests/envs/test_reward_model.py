@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import shutil
 
 import pytest
 
@@ -53,12 +54,18 @@ def test_finished_episodes_get_the_reward_models_score_and_keep_the_verdict(tok,
     assert scored.name == "arithmetic" and scored.stats["reward_model_cut"] == 0
 
 
-def test_a_failing_reward_model_fails_the_groups_episodes_not_the_batch(tok, reward_model):
+def test_a_failing_reward_model_fails_the_groups_episodes_not_the_batch(tok, reward_model, tmp_path):
+    """The weights load at the first score: a folder whose weights went missing after the stage
+    started fails that group's episodes with the reason, and nothing else."""
     path, _ = reward_model
+    broken = tmp_path / "broken"
+    shutil.copytree(path, broken)
     env = make_env(EnvConfig(kind="arithmetic", n_train=3, n_eval=0), tokenizer=tok)
-    scorer = RewardModelScorer(path, tok, max_tokens=512, what="stages.rlhf.reward_model")
-    scorer.vocab_size = 5  # every real token id is now outside the model's vocabulary
-    scored = RewardModelScored(env, scorer)
+    scored = RewardModelScored(
+        env, RewardModelScorer(str(broken), tok, max_tokens=512, what="stages.rlhf.reward_model")
+    )
+    for weights in broken.glob("*.safetensors"):
+        weights.unlink()
     try:
         task = scored.tasks("train", seed=0)[0]
         out = asyncio.run(scored.rollout(task, ReplayEngine(["Answer: 1", "Answer: 2"], tokenizer=tok),
@@ -67,8 +74,32 @@ def test_a_failing_reward_model_fails_the_groups_episodes_not_the_batch(tok, rew
         scored.close()
     for t in out:
         assert t.finish_reason == "error" and t.reward == 0.0 and not any(t.loss_mask)
-        assert "the reward model" in t.error and "outside the reward model's vocabulary" in t.error
+        assert t.error.startswith(f"the reward model ({broken}) failed: EnvConfigError: config key 'stages.rlhf")
     assert scored.stats["reward_model_errors"] == 1
+
+
+def test_an_empty_answer_gets_nothing_without_being_scored(tok, reward_model):
+    """The rm stage's pairs hold no empty answer, so the model has no score for one worth
+    trusting: it gets 0, the verdict kept; the other sample of the group is scored."""
+    path, _ = reward_model
+    env = make_env(EnvConfig(kind="arithmetic", n_train=3, n_eval=0), tokenizer=tok)
+    scored = RewardModelScored(env, RewardModelScorer(path, tok, max_tokens=512, what="stages.rlhf.reward_model"))
+    try:
+        task = scored.tasks("train", seed=0)[0]
+        out = asyncio.run(scored.rollout(task, ReplayEngine(["  ", "Answer: 2"], tokenizer=tok), SamplingParams(n=2)))
+    finally:
+        scored.close()
+    assert out[0].reward == 0.0 and out[0].reward_components == {"reward_model": 0.0}
+    assert out[0].metrics["correct"] == 0.0 and "reward_model_score" not in out[0].metrics
+    assert out[1].reward > 0.0 and "reward_model_score" in out[1].metrics
+
+
+def test_a_reward_model_with_another_tokenizer_is_refused_when_built(reward_model):
+    path, _ = reward_model
+    other = build_tokenizer(vocab_size=280)
+    with pytest.raises(EnvConfigError, match=r"'stages\.rlhf\.reward_model': the reward model at .* has its own "
+                       r"tokenizer, not the policy's"):  # fmt: skip
+        RewardModelScorer(path, other, max_tokens=64, what="stages.rlhf.reward_model")
 
 
 def test_a_long_conversation_is_cut_and_counted(tok, reward_model):
@@ -82,4 +113,7 @@ def test_a_long_conversation_is_cut_and_counted(tok, reward_model):
 
 def test_a_folder_without_a_reward_model_is_refused_naming_the_key(tok, tmp_path):
     with pytest.raises(EnvConfigError, match=r"config key 'stages\.rlhf\.reward_model': no reward model at"):
+        RewardModelScorer(str(tmp_path), tok, max_tokens=64, what="stages.rlhf.reward_model")
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "model_type": "llama"}')
+    with pytest.raises(EnvConfigError, match=r"holds \['LlamaForCausalLM'\], not a reward model"):
         RewardModelScorer(str(tmp_path), tok, max_tokens=64, what="stages.rlhf.reward_model")
