@@ -43,7 +43,7 @@ class RewardModelScorer:
 
     def __init__(self, path: str, tokenizer: Any, *, max_tokens: int, what: str):
         from ptrain.config.env_options import EnvConfigError
-        from ptrain.models.hf import read_hf_config
+        from ptrain.models.hf import read_reward_model_config
 
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise EnvConfigError(
@@ -52,13 +52,10 @@ class RewardModelScorer:
                 "stage that samples every environment lists its own in stages[].envs) or pass a Hugging Face "
                 "sequence-classification folder"
             )
-        hf = read_hf_config(path)
-        archs = [str(a) for a in hf.get("architectures") or []]
-        if not any(a.endswith("ForSequenceClassification") for a in archs):
-            raise EnvConfigError(
-                f"config key '{what}': {path} holds {archs or 'no architectures'}, not a reward model "
-                "(*ForSequenceClassification); train one with a stage of kind rm"
-            )
+        try:
+            hf = read_reward_model_config(path)
+        except (FileNotFoundError, ValueError) as e:
+            raise EnvConfigError(f"config key '{what}': {e}") from None
         own = os.path.join(path, "tokenizer.json")
         if os.path.isfile(own) and hasattr(tokenizer, "get_vocab"):
             from transformers import PreTrainedTokenizerFast

@@ -667,18 +667,9 @@ def save_hf_reward_model(
     )
 
 
-def load_hf_reward_model(
-    path: str,
-    dtype: str = "float32",
-    *,
-    param_dtype: str = "float32",
-    mesh: jax.sharding.Mesh | None = None,
-    rules: tuple | None = None,
-    **overrides: Any,
-) -> RewardModel:
-    """Loads a sequence-classification folder with one label (what save_hf_reward_model and
-    the rm stage write, or a transformers reward model of a supported family) into a
-    RewardModel that pools by its config's pad_token_id. Arguments as load_hf's."""
+def read_reward_model_config(path: str) -> dict:
+    """config.json of a reward-model folder, checked to be a one-label sequence classifier:
+    FileNotFoundError without one, ValueError naming what it holds instead."""
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"{path}: no config.json; pass a Hugging Face reward-model folder")
     hf = read_hf_config(path)
@@ -691,6 +682,22 @@ def load_hf_reward_model(
     labels = hf.get("num_labels") or len(hf.get("id2label") or {}) or 2  # transformers' default is 2
     if labels != 1:
         raise ValueError(f"{path}: a reward model has one label (a scalar score); this classifier has {labels}")
+    return hf
+
+
+def load_hf_reward_model(
+    path: str,
+    dtype: str = "float32",
+    *,
+    param_dtype: str = "float32",
+    mesh: jax.sharding.Mesh | None = None,
+    rules: tuple | None = None,
+    **overrides: Any,
+) -> RewardModel:
+    """Loads a sequence-classification folder with one label (what save_hf_reward_model and
+    the rm stage write, or a transformers reward model of a supported family) into a
+    RewardModel that pools by its config's pad_token_id. Arguments as load_hf's."""
+    hf = read_reward_model_config(path)
     cfg = config_from_hf(hf, dtype=dtype, param_dtype=param_dtype, **overrides)
     pad = hf.get("pad_token_id")
 
@@ -711,6 +718,7 @@ __all__ = [
     "hf_family",
     "load_hf",
     "load_hf_reward_model",
+    "read_reward_model_config",
     "reward_config_to_hf",
     "reward_tensor_map",
     "save_hf",
