@@ -156,10 +156,10 @@ def env_pairs_data(run: RunConfig, stage_dir: str, policy, data_cfg, tokenizer):
         return configs()
 
     t0 = time.time()
+    placed, params, model_state = policy()
     configs_ = [run.envs[n] for n in settings["envs"]]
     envs = {e.env_name: make_env(e, tokenizer=tokenizer, sandbox=run.sandbox) for e in configs_}
     seed = component_seed(run, "train.seed")
-    placed, params, model_state = policy()
     state = placed.state.replace(params=params, model_state=model_state)
     max_len = placed.model_def.bind(params, model_state).cfg.max_seq_len
     engine = eval_engine(run, placed, state, longest_prompt=max_len, max_new_tokens=0)
