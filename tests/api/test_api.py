@@ -47,8 +47,8 @@ def test_compose_gives_the_typed_config_the_cli_composes():
         (
             "alpaca_farm",
             [],
-            r"no recipe 'alpaca_farm'; pass one of continuous, countdown_zero, dapo, deepseek_r1_zero, dr_grpo, eval, gspo, "
-            r"nemotron_like, reverse_text, sft_arithmetic",
+            r"no recipe 'alpaca_farm'; pass one of continuous, countdown_zero, .*, nemotron_like, .*, sft_arithmetic, "
+            r".*, zephyr \(recipes/ holds them",
         ),
         ("sft_arith", [], r"did you mean sft_arithmetic"),
         ("sft_arithmetic", ["trian.steps=3"], r"config key 'trian'.*Valid keys here: name, run_dir"),
