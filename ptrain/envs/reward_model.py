@@ -45,16 +45,16 @@ class RewardModelScorer:
         from ptrain.config.env_options import EnvConfigError
         from ptrain.models.hf import read_reward_model_config
 
-        if not os.path.isfile(os.path.join(path, "config.json")):
+        try:
+            hf = read_reward_model_config(path)
+        except FileNotFoundError:
             raise EnvConfigError(
                 f"config key '{what}': no reward model at {path!r} (no config.json); run a stage of kind rm "
                 "before any stage that samples with it (its export is <run_dir>/stages/<name>/export; an earlier "
                 "stage that samples every environment lists its own in stages[].envs) or pass a Hugging Face "
                 "sequence-classification folder"
-            )
-        try:
-            hf = read_reward_model_config(path)
-        except (FileNotFoundError, ValueError) as e:
+            ) from None
+        except ValueError as e:
             raise EnvConfigError(f"config key '{what}': {e}") from None
         own = os.path.join(path, "tokenizer.json")
         if os.path.isfile(own) and hasattr(tokenizer, "get_vocab"):
@@ -181,8 +181,9 @@ class RewardModelScored:
             return {**t.metrics, "verifier_reward": float(t.reward), "correct": float(is_correct(t))}
 
         keep = [k for k, t in enumerate(out) if self.scored(t)]
+        kept = set(keep)
         for k, t in enumerate(out):
-            if k not in keep and t.error is None:
+            if t.error is None and k not in kept:
                 out[k] = dataclasses.replace(t, reward=0.0, reward_components={"reward_model": 0.0}, metrics=verdict(t))
         if not keep:
             return out
