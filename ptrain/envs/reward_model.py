@@ -10,8 +10,9 @@ real token.
 The model runs in the process that samples (the driver), on JAX's default device, in a worker
 thread so the event loop keeps serving other rollouts. Rows are padded to a power of two of
 tokens (at least 64) and batches to a power of two of rows, so a run compiles a handful of
-shapes. A row longer than `max_tokens` (at most the model's max_position_embeddings) keeps
-its first max_tokens tokens: the score then reads a cut response, which the caller counts.
+shapes. A row longer than `max_tokens` (at most the longest row the model was trained on, which
+an rm stage's export records, and its max_position_embeddings) keeps its first max_tokens
+tokens: the score then reads a cut response, which the caller counts.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class RewardModelScorer:
 
     def __init__(self, path: str, tokenizer: Any, *, max_tokens: int, what: str):
         from ptrain.config.env_options import EnvConfigError
-        from ptrain.models.hf import read_reward_model_config
+        from ptrain.models.hf import TRAINED_TOKENS_KEY, read_reward_model_config
 
         try:
             hf = read_reward_model_config(path)
@@ -68,9 +69,12 @@ class RewardModelScorer:
         self.path = path
         self.what = what
         self.tokenizer = tokenizer
-        trained = hf.get("max_position_embeddings")
-        self.max_tokens = min(max_tokens, int(trained)) if isinstance(trained, int) and trained > 0 else max_tokens
-        """Tokens a row keeps: the caller's limit, and at most the positions the model has."""
+        limits = [max_tokens] + [
+            v for v in (hf.get(TRAINED_TOKENS_KEY), hf.get("max_position_embeddings")) if isinstance(v, int) and v > 0
+        ]
+        self.max_tokens = min(limits)
+        """Tokens a row keeps: the caller's limit, and at most the longest row the model was
+        trained on (when its folder says) and the positions it has."""
         self._model: Any = None
         self._lock = threading.Lock()
 

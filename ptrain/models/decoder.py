@@ -397,18 +397,27 @@ class RewardModel(nnx.Module):
 
     pad_token_id: the id transformers will read from the exported config.json and pool
     by; None scores the last real token of each row.
+    trained_tokens: the longest row it was trained on, exported as config.json's
+    `ptrain_trained_tokens` so a judge scores no longer rows (None: not known).
     init_std: std of the head's normal initialisation; None: 1/sqrt(d_model), so the
     initial scores are of order one whatever the width.
     """
 
     def __init__(
-        self, decoder: Decoder, *, rngs: nnx.Rngs, pad_token_id: int | None = None, init_std: float | None = None
+        self,
+        decoder: Decoder,
+        *,
+        rngs: nnx.Rngs,
+        pad_token_id: int | None = None,
+        init_std: float | None = None,
+        trained_tokens: int | None = None,
     ):
         cfg = decoder.cfg
         if hasattr(decoder, "lm_head"):
             del decoder.lm_head
         self.model = decoder
         self.pad_token_id = pad_token_id
+        self.trained_tokens = trained_tokens
         std = cfg.d_model**-0.5 if init_std is None else init_std
         self.score = param(rngs, (cfg.d_model, 1), ("embed", None), std=std, dtype=as_dtype(cfg.param_dtype))
 

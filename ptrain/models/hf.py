@@ -614,7 +614,12 @@ their reward-model folders have the same layout (model.* and score.weight) and
 load_hf_reward_model reads them, but transformers does not."""
 
 
-def reward_config_to_hf(cfg: ModelConfig, pad_token_id: int | None) -> dict:
+TRAINED_TOKENS_KEY = "ptrain_trained_tokens"
+"""config.json key of a reward model: the longest row it was trained on (tokens). A judge
+scores no longer rows; transformers keeps the key as an attribute and ignores it."""
+
+
+def reward_config_to_hf(cfg: ModelConfig, pad_token_id: int | None, trained_tokens: int | None = None) -> dict:
     """config.json of a reward model: the family's, as a one-label sequence classifier.
 
     transformers reads num_labels from id2label; pad_token_id is what it pools by (the
@@ -628,6 +633,8 @@ def reward_config_to_hf(cfg: ModelConfig, pad_token_id: int | None) -> dict:
         label2id={"LABEL_0": 0},
         pad_token_id=pad_token_id,
     )
+    if trained_tokens is not None:
+        hf[TRAINED_TOKENS_KEY] = int(trained_tokens)
     return hf
 
 
@@ -654,7 +661,7 @@ def save_hf_reward_model(
     `transformers.AutoModelForSequenceClassification.from_pretrained(path)(ids).logits[:, 0]`
     then equals the model's scores. dtype, max_shard_bytes: as in save_hf."""
     cfg = model.cfg
-    hf = reward_config_to_hf(cfg, model.pad_token_id)
+    hf = reward_config_to_hf(cfg, model.pad_token_id, model.trained_tokens)
     if hf_family(cfg) in PTRAIN_ONLY_CLASSIFIERS:
         log.warning(
             "%s: transformers has no %s, so this reward model loads in ptrain (load_hf_reward_model) and not in "
@@ -699,11 +706,16 @@ def load_hf_reward_model(
     RewardModel that pools by its config's pad_token_id. Arguments as load_hf's."""
     hf = read_reward_model_config(path)
     cfg = config_from_hf(hf, dtype=dtype, param_dtype=param_dtype, **overrides)
-    pad = hf.get("pad_token_id")
+    pad, trained = hf.get("pad_token_id"), hf.get(TRAINED_TOKENS_KEY)
 
     def build() -> RewardModel:
         decoder = Decoder(cfg, rngs=nnx.Rngs(0), mesh=mesh, rules=rules)
-        return RewardModel(decoder, rngs=nnx.Rngs(0), pad_token_id=pad if isinstance(pad, int) else None)
+        return RewardModel(
+            decoder,
+            rngs=nnx.Rngs(0),
+            pad_token_id=pad if isinstance(pad, int) else None,
+            trained_tokens=trained if isinstance(trained, int) else None,
+        )
 
     return _read_folder(path, cfg, reward_tensor_map(cfg), build, mesh, rules)
 

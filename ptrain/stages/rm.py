@@ -70,7 +70,13 @@ def setup_rm_stage(run: RunConfig, stage_dir: str, init_path: str | None, tokeni
             "model has no pad_token_id, so transformers scores it one unpadded row at a time",
             flush=True,
         )
-    model = RewardModel(decoder, rngs=nnx.Rngs(component_seed(run, "model.seed")), pad_token_id=pad)
+    # Each side of a pair is read whole: at most seq_len + 1 tokens (`full_sequences`).
+    model = RewardModel(
+        decoder,
+        rngs=nnx.Rngs(component_seed(run, "model.seed")),
+        pad_token_id=pad,
+        trained_tokens=run.train.seq_len + 1,
+    )
     tx, lr = make_optimizer(run.optim, run.train.steps)
     placed = place_state(run, model, tx, mesh)
     return Stage(run, stage_dir, "rm", tokenizer, placed, tx, lr, router_bias_update(run, model), t_start)

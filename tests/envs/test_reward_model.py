@@ -111,6 +111,25 @@ def test_a_long_conversation_is_cut_and_counted(tok, reward_model):
     assert math.isfinite(score)
 
 
+def test_rows_are_cut_at_the_length_the_reward_model_was_trained_on(tok, reward_model, tmp_path):
+    """A folder that records its trained length (what an rm stage's export does) caps the rows
+    the judge scores there, below the caller's limit and the model's positions; the length
+    survives a load and a save."""
+    from ptrain.models import load_hf_reward_model, save_hf_reward_model
+    from ptrain.models.hf import TRAINED_TOKENS_KEY, read_reward_model_config
+
+    path, _ = reward_model
+    assert RewardModelScorer(path, tok, max_tokens=100, what="k").max_tokens == 100  # records nothing
+    rm = load_hf_reward_model(path)
+    rm.trained_tokens = 24
+    save_hf_reward_model(rm, str(tmp_path / "rm"), tok)
+    assert read_reward_model_config(str(tmp_path / "rm"))[TRAINED_TOKENS_KEY] == 24
+    assert load_hf_reward_model(str(tmp_path / "rm")).trained_tokens == 24
+    scorer = RewardModelScorer(str(tmp_path / "rm"), tok, max_tokens=100, what="k")
+    ids, cut = scorer.response_tokens([{"role": "user", "content": "Say a lot."}], "word " * 50)
+    assert scorer.max_tokens == 24 and cut and len(ids) == 24
+
+
 def test_a_folder_without_a_reward_model_is_refused_naming_the_key(tok, tmp_path):
     with pytest.raises(EnvConfigError, match=r"config key 'stages\.rlhf\.reward_model': no reward model at"):
         RewardModelScorer(str(tmp_path), tok, max_tokens=64, what="stages.rlhf.reward_model")

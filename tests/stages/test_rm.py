@@ -339,6 +339,7 @@ def test_a_tiny_rm_stage_learns_its_pairs_and_exports_a_classifier_transformers_
     tok = transformers.AutoTokenizer.from_pretrained(export)
     assert cfg["architectures"] == ["Qwen3ForSequenceClassification"] and cfg["num_labels"] == 1
     assert cfg["pad_token_id"] == tok.pad_token_id is not None
+    assert cfg["ptrain_trained_tokens"] == 128 + 1  # train.seq_len next-token inputs, read whole
 
     held = [json.loads(line) for line in open(tmp_path / "run" / "data" / "preference_eval.jsonl")]
     convs = [row["prompt"] + row[side] for side in ("chosen", "rejected") for row in held]
