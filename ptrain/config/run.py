@@ -290,21 +290,6 @@ def check_processes(run: RunConfig, processes: int, where: str = "") -> None:
             where,
         )
     if stage.kind == "grpo":
-        g = run.algo.grpo
-        _check(
-            g.mode == "sync",
-            "algo.grpo.mode",
-            f"a grpo stage {many} runs in sync mode (process 0 collects each rollout batch, then every process "
-            "trains on it); async collection across processes is not built: pass algo.grpo.mode=sync",
-            where,
-        )
-        _check(
-            not run.model.lora.enabled,
-            "model.lora.rank",
-            f"a LoRA grpo stage pushes its adapters to the fleet from one process's copy; {many} train it in full "
-            "(model.lora.rank=0) or as one process",
-            where,
-        )
         _check(
             t.eval_generate == 0,
             "train.eval_generate",

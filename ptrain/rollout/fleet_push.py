@@ -23,7 +23,9 @@ waits for that; abort ends them first; in_place lets them finish in the backgrou
 adapter they started with, which SGLang cannot swap under a running request). A worker
 brought back into service loads the current adapter version (FleetHealth); one that refuses
 the adapter (LoRA off, a rank above its --max-lora-rank, targets outside its
---lora-target-modules) is a WeightSyncError naming the flags to start it with.
+--lora-target-modules) is a WeightSyncError naming the flags to start it with. A trainer of
+several JAX processes gathers the adapters to every host (they are small) and process 0 alone
+writes and pushes them.
 """
 
 from __future__ import annotations
@@ -173,6 +175,15 @@ class FleetPush:
             raise WeightSyncError("this FleetEngine was built without model_cfg and weight_dir; it cannot export")
         version = str(weight_version) if weight_version is not None else str(self.updates + 1)
         push_mode = PUSH_FOR_SWAP[mode] if cfg.weight_push_mode == "stage" else cfg.weight_push_mode
+        import jax
+
+        if jax.process_count() > 1:
+            from ptrain.parallel.multihost import host_array
+
+            adapters = jax.tree.map(host_array, adapters)  # a collective: every process gathers
+            if jax.process_index() > 0:
+                s.weight_version, self.updates = version, self.updates + 1
+                return version
         t0 = time.perf_counter()
         export = export_adapters(adapters, spec, self.model_cfg, self.weight_dir, version)
         t1 = time.perf_counter()

@@ -197,8 +197,6 @@ FLEET = ["train.eval_generate=0", "rollout=sglang", "rollout.urls=[http://h:1]",
         ("sft_arithmetic", [], "train.eval_generate"),  # the exact-match evaluation samples in one process
         ("sft_grpo_arithmetic", ["train.eval_generate=0", STAGES], "rollout.kind"),  # the embedded engine
         ("eval", [], "rollout.kind"),
-        ("sft_grpo_arithmetic", [*FLEET, "algo.grpo.mode=async"], "algo.grpo.mode"),
-        ("sft_grpo_arithmetic", [*FLEET, "model.lora.rank=4"], "model.lora.rank"),
         ("sft_grpo_arithmetic", [*FLEET[1:], "train.eval_generate=4"], "train.eval_generate"),
         ("sft_dpo_arithmetic", ["train.eval_generate=0"], "algo.dpo.policy_pairs"),
     ],
@@ -214,11 +212,13 @@ def test_what_does_not_run_as_several_processes_yet_is_refused(monkeypatch, reci
     compose(recipe, overrides + ["distributed.num_processes=1"])  # the same as one process is fine
 
 
-def test_sync_grpo_from_a_fleet_composes_as_several_processes(monkeypatch):
+def test_grpo_from_a_fleet_composes_as_several_processes(monkeypatch):
     for var, value in RANKS.items():
         monkeypatch.setenv(var, value)
     run = compose("sft_grpo_arithmetic", FLEET)
     assert [s.kind for s in run.stages] == ["sft", "grpo"] and run.rollout.kind == "sglang"
+    run = compose("sft_grpo_arithmetic", [*FLEET, "algo.grpo.mode=async", "model.lora.rank=4"])
+    assert run.algo.grpo.mode == "async" and run.model.lora.rank == 4
     run = compose("sft_grpo_arithmetic", FLEET[:-1])  # with the recipe's eval stage: from the fleet too
     assert [s.kind for s in run.stages] == ["sft", "grpo", "eval"]
 

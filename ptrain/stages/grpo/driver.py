@@ -22,9 +22,10 @@ Modes (`algo.grpo.mode`):
 The driver stays thin: the rollout side is `RolloutBatches` (the loop's Batches protocol:
 its after-step hook pushes weights), the update side `Algorithm` (objective, denominator).
 
-As several JAX processes (sync mode, sampling from a fleet): process 0 collects and scores
-each rollout batch and broadcasts its rows; every process trains on them, and writes its
-share of each weight version, which process 0 then pushes (ptrain.rollout.fleet_push).
+As several JAX processes (sampling from a fleet): process 0 collects and scores each rollout
+batch (in async mode its collector alone runs ahead) and broadcasts its rows; every process
+trains on them, and writes its share of each weight version, which process 0 then pushes
+(ptrain.rollout.fleet_push; LoRA adapters are gathered to every host and written by process 0).
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ class RolloutBatches:
         self.state, self.version = state, step
         self._push(state, step, "abort")
         self.collector.set_version(step)
-        if self.cfg.mode == "async":
+        if self.cfg.mode == "async" and is_primary():  # the other processes get each batch from it
             self.collector.start()
 
     def _push(self, state: TrainState, step: int, mode: str) -> None:
