@@ -289,14 +289,6 @@ def check_processes(run: RunConfig, processes: int, where: str = "") -> None:
             "(tools/launch_fleet.py starts one), or run the stage as one process",
             where,
         )
-    if stage.kind == "grpo":
-        _check(
-            t.eval_generate == 0,
-            "train.eval_generate",
-            f"the held-out evaluation of a grpo stage {many} is not built; pass train.eval_generate=0 and evaluate "
-            "the export in a one-process eval stage",
-            where,
-        )
     if stage.kind in ("dpo", "rm"):
         for key in ("policy_pairs", "env_pairs"):
             _check(

@@ -197,7 +197,6 @@ FLEET = ["train.eval_generate=0", "rollout=sglang", "rollout.urls=[http://h:1]",
         ("sft_arithmetic", [], "train.eval_generate"),  # the exact-match evaluation samples in one process
         ("sft_grpo_arithmetic", ["train.eval_generate=0", STAGES], "rollout.kind"),  # the embedded engine
         ("eval", [], "rollout.kind"),
-        ("sft_grpo_arithmetic", [*FLEET[1:], "train.eval_generate=4"], "train.eval_generate"),
         ("sft_dpo_arithmetic", ["train.eval_generate=0"], "algo.dpo.policy_pairs"),
     ],
 )
@@ -217,8 +216,10 @@ def test_grpo_from_a_fleet_composes_as_several_processes(monkeypatch):
         monkeypatch.setenv(var, value)
     run = compose("sft_grpo_arithmetic", FLEET)
     assert [s.kind for s in run.stages] == ["sft", "grpo"] and run.rollout.kind == "sglang"
-    run = compose("sft_grpo_arithmetic", [*FLEET, "algo.grpo.mode=async", "model.lora.rank=4"])
-    assert run.algo.grpo.mode == "async" and run.model.lora.rank == 4
+    grpo = "{name: grpo, kind: grpo, train: {eval_generate: 4}}"
+    run = compose("sft_grpo_arithmetic", [*FLEET[:-1], f"stages=[{{name: sft, kind: sft}}, {grpo}]",
+                                          "algo.grpo.mode=async", "model.lora.rank=4"])  # fmt: skip
+    assert run.algo.grpo.mode == "async" and run.model.lora.rank == 4 and run.stages[1].train["eval_generate"] == 4
     run = compose("sft_grpo_arithmetic", FLEET[:-1])  # with the recipe's eval stage: from the fleet too
     assert [s.kind for s in run.stages] == ["sft", "grpo", "eval"]
 
