@@ -168,15 +168,14 @@ class FleetDispatch:
 
     def fail_all(self) -> None:
         """Cancel every request in flight; their futures fail with EngineClosed (closing)."""
-        with self.lock:
+        with self.lock:  # out of flight first, as in _retire
             calls = list(self.calls.values())
+            self.calls.clear()
         for c in calls:
             if c.task is not None:
                 c.task.cancel()
             if not c.future.done():
                 c.future.set_exception(EngineClosed("the fleet engine was closed before the request finished"))
-        with self.lock:
-            self.calls.clear()
 
     # ------------------------------------------------------------------ on the loop
 
@@ -269,17 +268,28 @@ class FleetDispatch:
             for j in range(call.sampling.n)
         ]
 
+    def _retire(self, call: Call) -> None:
+        """Take `call` out of the requests in flight. Before its future resolves: whoever waits on
+        it may send its rid again at once (an environment reuses a task's rid once the task's
+        earlier request has ended), and that must not be refused as still in flight."""
+        with self.lock:
+            if self.calls.get(call.rid) is call:
+                del self.calls[call.rid]
+
     async def _run_call(self, call: Call) -> None:
         try:
             samples = await self._attempts(call)
         except asyncio.CancelledError:
+            self._retire(call)
             if not call.future.done():
                 call.future.set_exception(EngineClosed("the fleet engine was closed before the request finished"))
             raise
         except BaseException as e:
+            self._retire(call)
             if not call.future.done():
                 call.future.set_exception(e)
         else:
+            self._retire(call)
             if call.on_update is not None:
                 try:
                     call.on_update(samples)
@@ -287,10 +297,6 @@ class FleetDispatch:
                     log.exception("on_update callback of request %s raised", call.rid)
             if not call.future.done():
                 call.future.set_result(samples)
-        finally:
-            with self.lock:
-                if self.calls.get(call.rid) is call:
-                    del self.calls[call.rid]
 
     async def _attempts(self, call: Call) -> list[Sample]:
         import httpx

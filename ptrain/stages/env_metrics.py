@@ -101,18 +101,22 @@ def abstained(t: Trajectory) -> bool:
 def summarize(
     trajectories_by_task: Sequence[Sequence[Trajectory]], ks: Sequence[int], *, declares_tools: bool = True
 ) -> dict[str, float]:
-    """Metrics of one environment from its tasks' sample lists."""
+    """Metrics of one environment from its tasks' sample lists. A sample that failed (an
+    environment or engine error) counts as a wrong answer, and is left out of the lengths, the
+    cut share and the abstentions, which describe answers it never gave (`env_errors` counts it)."""
     flat = [t for ts in trajectories_by_task for t in ts]
     if not flat:
         return {}
-    split = np.asarray([reasoning_and_answer_chars(t) for t in flat], np.float64)
+    answered = [t for t in flat if t.error is None]
+    mean = lambda xs: float(np.mean(xs)) if len(xs) else 0.0  # noqa: E731
+    split = np.asarray([reasoning_and_answer_chars(t) for t in answered], np.float64).reshape(-1, 2)
     out: dict[str, float] = {
         "reward": float(np.mean([t.reward for t in flat])),
-        "response_length": float(np.mean([t.tokens.output for t in flat])),
-        "reasoning_chars": float(split[:, 0].mean()),
-        "answer_chars": float(split[:, 1].mean()),
-        "truncated_frac": float(np.mean([t.finish_reason in ("length", "token_limit") for t in flat])),
-        "abstained": float(np.mean([abstained(t) for t in flat])),
+        "response_length": mean([t.tokens.output for t in answered]),
+        "reasoning_chars": mean(split[:, 0]),
+        "answer_chars": mean(split[:, 1]),
+        "truncated_frac": mean([t.finish_reason in ("length", "token_limit") for t in answered]),
+        "abstained": mean([abstained(t) for t in answered]),
         "reward_errors": float(sum(t.reward_error is not None for t in flat)),
         "env_errors": float(sum(t.error is not None for t in flat)),
         "tokens_prompt_uncached": float(sum(t.tokens.prompt_uncached for t in flat)),

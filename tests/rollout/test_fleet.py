@@ -419,6 +419,28 @@ def test_fleet_and_local_engine_sample_the_same_tokens_and_logprobs(engine, refe
     assert len({s.output_ids for s in got[-1]}) > 1, "the n seeded samples of a prompt should differ"
 
 
+def test_a_rid_may_be_sent_again_as_soon_as_its_request_has_finished(engine):
+    """An environment reuses a task's rid once the task's earlier request has ended (a greedy
+    evaluation, then the sampled one): the request leaves the in-flight set before its future
+    resolves, so neither a done-callback nor the next awaiting round is refused."""
+    (req,) = requests(1, max_new_tokens=2, tag="again")
+    refused: list[str] = []
+
+    def again(_):
+        try:
+            engine.submit(req).result(timeout=60)
+        except Exception as e:  # a refusal shows up here
+            refused.append(repr(e))
+
+    first = engine.submit(req)
+    done = threading.Event()
+    first.add_done_callback(lambda f: threading.Thread(target=lambda: (again(f), done.set())).start())
+    first.result(timeout=60)
+    assert done.wait(60) and not refused, refused
+    for _ in range(20):  # back to back, as evaluate_envs runs its rounds
+        engine.submit(req).result(timeout=60)
+
+
 def total_load(urls, key: str) -> int:
     return sum(get_json(u + "/v1/loads")["loads"][0][key] for u in urls)
 

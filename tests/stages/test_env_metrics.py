@@ -65,6 +65,21 @@ def test_summary_reports_hallucinated_calls_only_where_no_tools_are_declared():
     assert "hallucinated_tool_calls" not in summarize(groups, [1], declares_tools=True)
 
 
+def test_a_failed_sample_is_a_wrong_answer_and_not_a_short_one():
+    import dataclasses
+
+    ok = traj("<think>ab</think>cd")
+    failed = dataclasses.replace(traj(), token_ids=(), prompt_length=0, loss_mask=(), logprobs=(), reward=0.0,
+                                 finish_reason="error",
+                                 error="the engine refused the request")  # fmt: skip
+    out = summarize([[ok, failed]], [1, 2])
+    assert out["reward"] == 0.5 and out["pass@2"] == 1.0 and out["pass@1"] == 0.5 and out["env_errors"] == 1
+    assert out["response_length"] == ok.tokens.output and out["reasoning_chars"] == 2 and out["answer_chars"] == 2
+    assert out["truncated_frac"] == 0 and out["abstained"] == 0
+    every = summarize([[failed]], [1])
+    assert every["response_length"] == 0 and every["env_errors"] == 1 and every["pass@1"] == 0
+
+
 class RecordingEnv:
     """A single-turn-like environment that records each request and answers correctly only
     when the budget it was given is at least 8 (accuracy that rises with the budget)."""
