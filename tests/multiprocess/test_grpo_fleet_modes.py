@@ -79,18 +79,9 @@ def test_two_processes_train_a_lora_grpo_stage_to_the_losses_of_one(worker, one,
     two = tmp_path / "run"
     from_sft_of(one, two)
     out = run(2, lora_args(folder, srv.url, two))
-    # Greedy held-out metrics only: sampled ones on one LoRA worker shared by both runs were seen
-    # to differ where the pushed adapters agree (to 1e-8), so they are checked to be there.
-    keys = (
-        "train/loss",
-        "train/grad_norm",
-        "train/reward/mean",
-        "eval/arithmetic/reward",
-        "eval/arithmetic/response_length",
-    )
+    keys = ("train/loss", "train/grad_norm", "train/reward/mean", "eval/arithmetic/reward",
+            "eval/arithmetic/sampled/reward", "eval/arithmetic/sampled/response_length")  # fmt: skip
     assert_same_run(two, one, stages=("grpo",), keys=keys)
-    sampled = [r for r in records(two / "stages" / "grpo") if "eval/arithmetic/sampled/reward" in r]
-    assert [r["step"] for r in sampled] == [0, 2, STEPS]
     rewards = [r["train/reward/std"] for r in records(one / "stages" / "grpo") if "train/reward/std" in r]
     assert max(rewards) > 0, rewards  # some group had an advantage: the losses compared are not all zero
     assert "[rank 1] ptrain: stage 2/2 'grpo'" in out.stdout
