@@ -63,6 +63,11 @@ class _SamplingAndUpdates(SamplingConfig, _LossAndBatch):
     mini_batches: int = 1
     """Optimizer steps per epoch: the rollout batch is split into this many parts (>= 1;
     must divide prompts_per_step * group_size). train.steps counts rollout batches."""
+    bucket_lengths: bool = True
+    """Train each rollout batch at the shortest of train.seq_len, seq_len/2, seq_len/4, ...
+    (at least 128 tokens, a multiple of mesh.context) that holds its longest sample, so short
+    samples are not trained at the full context's cost; a stage compiles one step per length
+    it meets (at most log2(seq_len / 128) + 1). false: every batch at seq_len, one compile."""
 
 
 @dataclass

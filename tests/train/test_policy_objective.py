@@ -11,7 +11,7 @@ from ptrain.config import OptimConfig
 from ptrain.config.grpo import GRPOAlgoConfig
 from ptrain.envs.base import Task, Trajectory
 from ptrain.losses.policy import policy_loss
-from ptrain.stages.grpo.batch import policy_batch
+from ptrain.stages.grpo.batch import MIN_BUCKET, bucket_length, policy_batch, trimmed
 from ptrain.train.optim import make_optimizer
 from ptrain.train.policy_objective import make_policy_objective, policy_denominator, policy_logprobs
 from ptrain.train.state import init_train_state, split_model
@@ -46,6 +46,38 @@ def test_policy_batch_aligns_targets_masks_and_engine_logprobs():
     assert counts["masked_truncated"] == 1 and counts["loss_tokens"] == 4
     with pytest.raises(ValueError, match="do not fit"):
         policy_batch([t] * 5, [0.0] * 5, rows=4, seq_len=12)
+
+
+@pytest.mark.parametrize(
+    "longest, seq_len, multiple, want",
+    [(10, 1024, 1, 128), (129, 1024, 1, 256), (512, 1024, 1, 512), (513, 1024, 1, 1024), (1024, 1024, 1, 1024),
+     (10, 96, 1, 96), (10, 1000, 1, 250), (300, 1536, 1, 384), (10, 768, 128, 384), (10, 768, 3, 192)],
+)  # fmt: skip
+def test_a_batch_trains_at_the_shortest_halving_of_seq_len_that_holds_it(longest, seq_len, multiple, want):
+    assert bucket_length(longest, seq_len, multiple) == want
+    assert want >= longest and want % multiple == 0 and (want >= MIN_BUCKET or want == seq_len)
+
+
+def test_a_bucketed_batch_has_the_loss_and_gradient_of_the_full_length_one():
+    """Rows cut to their bucket lose only padding: the objective and its gradient agree with the
+    seq_len batch's (Dr. GRPO's constant pinned, as the stage pins it to seq_len)."""
+    model_def, params, rest = split_model(tiny_model())
+    trajs = [traj([1 + i, 2, 3], [7 + i, 8, 9 + i], env_tokens=[40], seed=i) for i in range(4)]
+    full, _ = policy_batch(trajs, [1.0, -0.5, 0.25, -0.75], rows=4, seq_len=64)
+    short = trimmed(full, bucket_length(int(full["segment_ids"].sum(axis=1).max()), 64) // 4)  # 16 tokens
+    assert short["input_ids"].shape == (4, 16) and short["segment_ids"].sum() == full["segment_ids"].sum()
+    with pytest.raises(ValueError, match="past 8"):
+        trimmed(full, 8)
+    tx, _ = make_optimizer(OptimConfig(), 10)
+    state = init_train_state(params, tx, seed=0, model_state=rest)
+    for cfg in (GRPOAlgoConfig(), GRPOAlgoConfig(aggregation="seq_mean_token_sum_norm", norm_constant=64.0)):
+        obj = make_policy_objective(model_def, cfg)
+        denom = policy_denominator(cfg.aggregation)
+        (l_full, _), g_full = jax.value_and_grad(lambda p, b=full: obj(p, state, b, denom(b)), has_aux=True)(params)
+        (l_short, _), g_short = jax.value_and_grad(lambda p, b=short: obj(p, state, b, denom(b)), has_aux=True)(params)
+        assert float(l_short) == pytest.approx(float(l_full), rel=1e-5)
+        for a, b in zip(jax.tree.leaves(g_full), jax.tree.leaves(g_short)):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
 
 
 @pytest.fixture(scope="module")

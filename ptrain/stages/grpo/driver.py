@@ -30,6 +30,7 @@ trains on them, and writes its share of each weight version, which process 0 the
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections import deque
@@ -44,7 +45,7 @@ from ptrain.config.grpo import staleness_bound
 from ptrain.envs.base import is_correct
 from ptrain.parallel.multihost import broadcast_from_primary, is_primary
 from ptrain.rollout.protocol import EngineUnavailable, SamplingParams
-from ptrain.stages.grpo.batch import measured_advantages, policy_batch
+from ptrain.stages.grpo.batch import bucket_length, measured_advantages, policy_batch, trimmed
 from ptrain.stages.grpo.collector import Group, RolloutCollector
 from ptrain.stages.loop import Algorithm, train_evaluate_export
 from ptrain.stages.setup import Stage, setup_stage, tokenizer_for
@@ -286,10 +287,13 @@ class RolloutBatches:
         adv, adv_aux = measured_advantages(rewards, masked, cfg=cfg, invalid_BxG=invalid)
         trajectories = [t for g in groups for t in g.trajectories]
         flat_adv = np.asarray(adv).reshape(-1)
-        batch, counts = policy_batch(
-            trajectories, flat_adv, rows=self.rows, seq_len=self.stage.run.train.seq_len,
-            mask_truncated=cfg.overlong_filter,
-        )  # fmt: skip
+        seq_len = self.stage.run.train.seq_len
+        batch, counts = policy_batch(trajectories, flat_adv, rows=self.rows, seq_len=seq_len,
+                                     mask_truncated=cfg.overlong_filter)  # fmt: skip
+        if cfg.bucket_lengths:
+            longest = int(batch["segment_ids"].sum(axis=1).max(initial=0))
+            batch = trimmed(batch, bucket_length(longest, seq_len, self.stage.run.mesh.context))
+        counts["row_length"] = float(batch["input_ids"].shape[1])
         if self.collector.audit is not None:
             self.collector.audit.write(
                 {"record": "train_batch", "version": self.version, "groups": [g.index for g in groups],
@@ -333,6 +337,7 @@ class RolloutBatches:
         m["staleness/mean"] = float(np.mean([self.version - g.version for g in groups]))
         m["staleness/max"] = float(max(self.version - g.version for g in groups))
         m["clipped_trajectories"] = counts["clipped_trajectories"]
+        m["row_length"] = counts["row_length"]
         for key, value in getattr(self.collector.tasks, "stats", {}).items():
             m[f"curriculum/{key}"] = float(value)
         target = getattr(self.collector.tasks, "current_target", lambda: None)()
@@ -433,9 +438,14 @@ def run_grpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
                                  audit=audit)  # fmt: skip
     hour_usd = run.cost.machine_hour_usd(jax.default_backend(), jax.device_count(), cpu_cores())
     batches = RolloutBatches(stage, collector, engine, costs=run.cost, hour_usd=hour_usd)
+    loss_cfg = cfg
+    if cfg.aggregation == "seq_mean_token_sum_norm" and cfg.norm_constant is None:
+        # Dr. GRPO's constant is the row length; fixed at seq_len, as rows may be bucketed shorter.
+        loss_cfg = dataclasses.replace(cfg, norm_constant=float(run.train.seq_len))
     algorithm = Algorithm(
         objective=make_policy_objective(
-            placed.model_def, cfg, vocab_chunk=run.train.vocab_chunk, aux_loss_coef=run.model.router_aux_loss_coef
+            placed.model_def, loss_cfg, vocab_chunk=run.train.vocab_chunk,
+            aux_loss_coef=run.model.router_aux_loss_coef,
         ),  # fmt: skip
         denominator=policy_denominator(cfg.aggregation),
         finalize=batches.finalize,
