@@ -86,6 +86,7 @@ def route(
     routed_scaling_factor: float = 1.0,
     n_groups: int = 1,
     topk_groups: int = 1,
+    token_mask_T: jax.Array | None = None,
 ) -> Routing:
     """Chooses `top_k` experts per token and their combine weights.
 
@@ -103,6 +104,9 @@ def route(
       norm_topk_prob: renormalise the k weights to sum to one.
       routed_scaling_factor: multiplier on the weights (DeepSeek-V3: 2.5).
       n_groups, topk_groups: group-limited routing (DeepSeek-V2/V3); 1, 1 disables it.
+      token_mask_T: 1 for real tokens, 0 for padding (None: all real). Padding is routed like
+        any token but left out of `load_E` and `lb_loss`, so neither the balancing loss nor the
+        bias update learns from it (transformers masks its load-balancing loss alike).
 
     Returns:
       `Routing`; `lb_loss` is the Switch Transformer loss (Fedus et al. 2021, eq. 4)
@@ -136,9 +140,18 @@ def route(
         weights_Txk = weights_Txk / (jnp.sum(weights_Txk, axis=-1, keepdims=True) + 1e-20)
     weights_Txk = weights_Txk * routed_scaling_factor
 
-    counts_E = jnp.zeros((E,), jnp.float32).at[expert_ids_Txk.reshape(-1)].add(1.0)
-    load_E = counts_E / (T * top_k)
-    lb_loss = E * jnp.sum(load_E * jnp.mean(probs_TxE, axis=0))
+    if token_mask_T is None:
+        counts_E = jnp.zeros((E,), jnp.float32).at[expert_ids_Txk.reshape(-1)].add(1.0)
+        load_E = counts_E / (T * top_k)
+        lb_loss = E * jnp.sum(load_E * jnp.mean(probs_TxE, axis=0))
+    else:
+        if token_mask_T.shape != (T,):
+            raise ValueError(f"route: token_mask_T must be [tokens] = ({T},), got shape {token_mask_T.shape}")
+        m_T = token_mask_T.astype(jnp.float32)
+        real = jnp.maximum(jnp.sum(m_T), 1.0)
+        counts_E = jnp.zeros((E,), jnp.float32).at[expert_ids_Txk.reshape(-1)].add(jnp.repeat(m_T, top_k))
+        load_E = counts_E / (real * top_k)
+        lb_loss = E * jnp.sum(load_E * (jnp.sum(probs_TxE * m_T[:, None], axis=0) / real))
     return Routing(expert_ids_Txk, weights_Txk, load_E, lb_loss, probs_TxE)
 
 

@@ -178,12 +178,13 @@ class Block(nnx.Module):
         else:
             self.mlp = MLP(cfg.d_model, cfg.d_ff, cfg, rngs=rngs)
 
-    def __call__(self, x, cos, sin, mask, kv_cache=None, cache_index=None):
-        """x [B, T, D] -> (x, new kv_cache | None, lb_loss scalar, load [E] or [0])."""
+    def __call__(self, x, cos, sin, mask, kv_cache=None, cache_index=None, token_mask=None):
+        """x [B, T, D] -> (x, new kv_cache | None, lb_loss scalar, load [E] or [0]); token_mask
+        [B, T] (or None): the real tokens, to which an MoE block's load statistics are limited."""
         h, new_cache = self.attn(self.attn_norm(x), cos, sin, mask, kv_cache, cache_index)
         x = x + h
         if self.is_moe:
-            h, lb_loss, load = self.mlp(self.mlp_norm(x))
+            h, lb_loss, load = self.mlp(self.mlp_norm(x), token_mask)
         else:
             h = self.mlp(self.mlp_norm(x))
             lb_loss, load = jnp.zeros((), jnp.float32), jnp.zeros((0,), jnp.float32)
@@ -202,14 +203,14 @@ def _make_group(cfg: ModelConfig, moe: bool, n: int, rngs: nnx.Rngs, ep=None, cp
     return make(rngs)
 
 
-def _call_block(block, x, cos, sin, mask, cache, cache_index, remat: str):
+def _call_block(block, x, cos, sin, mask, cache, cache_index, remat: str, token_mask=None):
     if remat != "none" and cache is None:
         fn = nnx.remat(lambda b, *a: b(*a), policy=REMAT_POLICIES[remat])
-        return fn(block, x, cos, sin, mask)
-    return block(x, cos, sin, mask, cache, cache_index)
+        return fn(block, x, cos, sin, mask, None, None, token_mask)
+    return block(x, cos, sin, mask, cache, cache_index, token_mask)
 
 
-def _run_group(group, scanned: bool, x, cos, sin, mask, caches, cache_index, remat: str):
+def _run_group(group, scanned: bool, x, cos, sin, mask, caches, cache_index, remat: str, token_mask=None):
     """Runs one group of blocks. caches: None; a list of per-layer (k, v) [B, S, K, Dh]
     (Python loop: each layer's buffers update in place inside a while loop); or, scanned,
     one stacked (k [n, B, S, K, Dh], v [...]).
@@ -219,7 +220,7 @@ def _run_group(group, scanned: bool, x, cos, sin, mask, caches, cache_index, rem
         new_caches, lbs, loads = [], [], []
         for i, block in enumerate(group):
             cache_i = None if caches is None else caches[i]
-            x, c, lb, load = _call_block(block, x, cos, sin, mask, cache_i, cache_index, remat)
+            x, c, lb, load = _call_block(block, x, cos, sin, mask, cache_i, cache_index, remat, token_mask)
             lbs.append(lb)
             loads.append(load)
             new_caches.append(c)
@@ -229,7 +230,7 @@ def _run_group(group, scanned: bool, x, cos, sin, mask, caches, cache_index, rem
 
         @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
         def body(carry, block):
-            y, _, lb, load = _call_block(block, carry, cos, sin, mask, None, None, remat)
+            y, _, lb, load = _call_block(block, carry, cos, sin, mask, None, None, remat, token_mask)
             return y, (lb, load)
 
         x, (lbs, loads) = body(x, group)
@@ -237,7 +238,7 @@ def _run_group(group, scanned: bool, x, cos, sin, mask, caches, cache_index, rem
 
     @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
     def body_cached(carry, block, cache):
-        y, c, lb, load = block(carry, cos, sin, mask, cache, cache_index)
+        y, c, lb, load = block(carry, cos, sin, mask, cache, cache_index, token_mask)
         return y, (c, lb, load)
 
     x, (new_caches, lbs, loads) = body_cached(x, group, caches)
@@ -290,7 +291,8 @@ class Decoder(nnx.Module):
         """Final-normed hidden states -> float32 logits [B, L, V]."""
         return weights.logits(h_BxLxD, self.head_weight(), as_dtype(self._frozen.cfg.dtype))
 
-    def _trunk(self, input_ids_BxL, positions_BxL, mask_BxTxS, caches=None, cache_index=None, cp=None):
+    def _trunk(self, input_ids_BxL, positions_BxL, mask_BxTxS, caches=None, cache_index=None, cp=None,
+               token_mask=None):  # fmt: skip
         cfg = self._frozen.cfg
         dt = as_dtype(cfg.dtype)
         cos, sin = rope_tables(positions_BxL, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
@@ -305,7 +307,9 @@ class Decoder(nnx.Module):
         for g in self._groups:
             c = None if caches is None else caches[g.cache_key]
             group = getattr(self, g.name)
-            x, nc, lb, load = _run_group(group, cfg.scan_layers, x, cos, sin, mask_BxTxS, c, cache_index, cfg.remat)
+            x, nc, lb, load = _run_group(
+                group, cfg.scan_layers, x, cos, sin, mask_BxTxS, c, cache_index, cfg.remat, token_mask
+            )
             new_caches[g.cache_key] = nc
             if g.moe:
                 lb_total, loads = lb_total + lb, loads + [load]
@@ -336,6 +340,9 @@ class Decoder(nnx.Module):
         B, L = input_ids_BxL.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32)[None, :], (B, L))
+        # Padding (segment id 0) stays out of the MoE load statistics: the balancing loss and
+        # the expert-bias update learn from real tokens only.
+        token_mask = None if segment_ids is None or not cfg.is_moe else segment_ids > 0
         if segment_ids is None:
             segment_ids = jnp.ones((B, L), jnp.int32)
         if positions.shape != (B, L) or segment_ids.shape != (B, L):
@@ -345,7 +352,7 @@ class Decoder(nnx.Module):
         cp = self._cp if self._cp is not None and self._cp.applies(B, L) else None
         # Split over a context axis, attention builds its mask per block from the segment ids.
         mask = attention_mask(segment_ids, cfg.sliding_window) if cp is None else segment_ids
-        h, aux, _ = self._trunk(input_ids_BxL, positions, mask, cp=cp)
+        h, aux, _ = self._trunk(input_ids_BxL, positions, mask, cp=cp, token_mask=token_mask)
         out = h if return_hidden else self.logits_from_hidden(h)
         return (out, aux) if return_aux else out
 

@@ -129,7 +129,11 @@ class MoE(nnx.Module):
         if cfg.n_shared_experts:
             self.shared = MLP(D, F * cfg.n_shared_experts, cfg, rngs=rngs)
 
-    def __call__(self, x_BxLxD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def __call__(
+        self, x_BxLxD: jax.Array, token_mask_BxL: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """token_mask_BxL: 1 for real tokens, 0 for padding, which the load and the balancing
+        loss leave out (None: every token counts)."""
         B, L, D = x_BxLxD.shape
         # The expert-parallel path splits the tokens over every device of the mesh; a call
         # whose token count does not divide (KV-cache decoding of a few rows) takes the
@@ -149,6 +153,7 @@ class MoE(nnx.Module):
             routed_scaling_factor=self.routed_scaling_factor,
             n_groups=self.n_groups,
             topk_groups=self.topk_groups,
+            token_mask_T=None if token_mask_BxL is None else token_mask_BxL.reshape(B * L),
         )
         y_TxD = moe_kernels.moe_ffn(
             x_TxD,

@@ -76,6 +76,23 @@ def test_load_and_switch_loss():
     np.testing.assert_allclose(float(r.lb_loss), E * np.sum(counts / (T * 2) * P), rtol=1e-5)
 
 
+def test_padding_is_routed_but_left_out_of_the_load_and_the_loss():
+    logits = _logits(5)
+    mask = jnp.arange(T) < 10
+    got = route(logits, top_k=2, token_mask_T=mask)
+    real = route(logits[:10], top_k=2)
+    np.testing.assert_array_equal(np.asarray(got.expert_ids_Txk[:10]), np.asarray(real.expert_ids_Txk))
+    assert got.expert_ids_Txk.shape == (T, 2)  # padding still gets experts (and weights)
+    np.testing.assert_allclose(np.asarray(got.load_E), np.asarray(real.load_E), rtol=1e-6)
+    np.testing.assert_allclose(float(got.lb_loss), float(real.lb_loss), rtol=1e-6)
+    g_pad = jax.grad(lambda x: route(x, top_k=2, token_mask_T=mask).lb_loss)(logits)
+    assert not np.asarray(g_pad[10:]).any()  # nothing learns from padding
+    empty = route(logits, top_k=2, token_mask_T=jnp.zeros(T, bool))
+    assert float(empty.lb_loss) == 0.0 and not np.asarray(empty.load_E).any()
+    with pytest.raises(ValueError, match=r"token_mask_T must be \[tokens\]"):
+        route(logits, top_k=2, token_mask_T=mask[:5])
+
+
 def test_weights_and_loss_are_differentiable():
     def f(logits):
         r = route(logits, top_k=2)

@@ -58,6 +58,19 @@ def test_router_aux_and_bias_update(scan):
         update_router_bias(rest, jnp.zeros((3, 8)), rate)
 
 
+def test_padding_does_not_move_the_expert_load():
+    """Rows padded at the end (segment id 0) report the load of their real tokens alone: what
+    the balancing loss and the bias update of an RL batch read, however long its padding."""
+    model = Decoder(ModelConfig(**CFG), rngs=nnx.Rngs(0))
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 6)), jnp.int32)
+    _, short = model(ids, return_aux=True)
+    padded = jnp.concatenate([ids, jnp.zeros((2, 10), jnp.int32)], axis=1)
+    seg = (jnp.arange(16) < 6).astype(jnp.int32)[None, :].repeat(2, 0)
+    _, aux = model(padded, segment_ids=seg, return_aux=True)
+    np.testing.assert_allclose(aux.expert_load, short.expert_load, atol=1e-6)
+    np.testing.assert_allclose(float(aux.lb_loss), float(short.lb_loss), rtol=1e-5)
+
+
 def test_dense_model_has_empty_aux_and_no_router_bias():
     cfg = {
         k: v
