@@ -69,12 +69,14 @@ class RewardModelScorer:
         self.path = path
         self.what = what
         self.tokenizer = tokenizer
-        limits = [max_tokens] + [
-            v for v in (hf.get(TRAINED_TOKENS_KEY), hf.get("max_position_embeddings")) if isinstance(v, int) and v > 0
-        ]
-        self.max_tokens = min(limits)
+        known = (hf.get(TRAINED_TOKENS_KEY), hf.get("max_position_embeddings"))
+        self.max_tokens = min([max_tokens] + [v for v in known if type(v) is int and v > 0])
         """Tokens a row keeps: the caller's limit, and at most the longest row the model was
         trained on (when its folder says) and the positions it has."""
+        if self.max_tokens < max_tokens:
+            print(f"ptrain: {what}: rows are scored up to {self.max_tokens} tokens (what the reward model at "
+                  f"{path} was trained on or holds), not {max_tokens}; longer ones are cut and counted",
+                  flush=True)  # fmt: skip
         self._model: Any = None
         self._lock = threading.Lock()
 

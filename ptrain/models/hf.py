@@ -714,7 +714,7 @@ def load_hf_reward_model(
             decoder,
             rngs=nnx.Rngs(0),
             pad_token_id=pad if isinstance(pad, int) else None,
-            trained_tokens=trained if isinstance(trained, int) else None,
+            trained_tokens=trained if type(trained) is int else None,
         )
 
     return _read_folder(path, cfg, reward_tensor_map(cfg), build, mesh, rules)

@@ -92,6 +92,34 @@ def broadcast_from_primary(value: T) -> T:
     return pickle.loads(np.asarray(multihost_utils.broadcast_one_to_all(data)).tobytes())
 
 
+def on_primary(fn: Callable[[], T], what: str, *, keep: tuple[type[BaseException], ...] = ()) -> T:
+    """`fn()` computed by process 0 alone and given to every process (a collective every
+    process calls in the same order): one sampling of a fleet, say, which every process then
+    trains on. A failure there reaches every process, so none is left waiting: process 0
+    raises its own exception, the others the same type when it is one of `keep` (built from its
+    message, e.g. EngineUnavailable, so every process stops resumably), else a RuntimeError
+    naming `what` and the failure."""
+    if jax.process_count() == 1:
+        return fn()
+    result = failure = error = None
+    if is_primary():
+        try:
+            result = fn()
+        except Exception as e:
+            failure = e
+            kept = next((k for k in keep if isinstance(e, k)), None)
+            error = (keep.index(kept) if kept is not None else -1, f"{type(e).__name__}: {e}", str(e))
+    result, error = broadcast_from_primary((result, error))
+    if error is None:
+        return result
+    if failure is not None:
+        raise failure
+    kind, described, message = error
+    if kind >= 0:
+        raise keep[kind](message)
+    raise RuntimeError(f"{what} failed on process 0 ({described}); its log says more")
+
+
 def put_global_batch(batch, sharding):
     """A global batch (a pytree of numpy arrays, the same on every process) on the mesh, each
     process copying only its own devices' rows. With one process, plain `jax.device_put`.

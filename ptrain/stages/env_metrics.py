@@ -26,12 +26,11 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 
-import jax
 import numpy as np
 
 from ptrain.envs.base import Environment, Trajectory, is_correct
 from ptrain.envs.mixture import env_task_seed
-from ptrain.parallel.multihost import broadcast_from_primary, is_primary
+from ptrain.parallel.multihost import on_primary
 from ptrain.rollout.protocol import EngineUnavailable, SamplingParams
 
 
@@ -262,19 +261,9 @@ def env_evaluator(run, envs: Mapping[str, Environment], engine, *, sync_weights:
     def evaluate(state) -> dict[str, float]:
         if sync_weights:
             engine.update_weights(state.merged_params(), state.model_state or None, mode="abort")
-        if jax.process_count() == 1:
-            return evaluate_envs(envs, engine, cfg, seed=seed)
         # As several JAX processes (from a fleet): process 0 samples and scores, the others get
-        # its metrics, or its EngineUnavailable, so that they go on or stop in lockstep.
-        metrics = error = None
-        if is_primary():
-            try:
-                metrics = evaluate_envs(envs, engine, cfg, seed=seed)
-            except EngineUnavailable as e:
-                error = str(e)
-        metrics, error = broadcast_from_primary((metrics, error))
-        if error is not None:
-            raise EngineUnavailable(error)
-        return metrics
+        # its metrics, or its failure, so that they go on or stop in lockstep.
+        return on_primary(lambda: evaluate_envs(envs, engine, cfg, seed=seed), "the held-out evaluation",
+                          keep=(EngineUnavailable,))  # fmt: skip
 
     return evaluate

@@ -23,7 +23,7 @@ import os
 import time
 
 from ptrain.config import ConfigError, RunConfig
-from ptrain.parallel.multihost import barrier, broadcast_from_primary, is_primary
+from ptrain.parallel.multihost import barrier, is_primary, on_primary
 from ptrain.stages.loop import StageStopped
 from ptrain.stages.setup import ensure_base_model, load_model, stage_mesh, tokenizer_for
 
@@ -85,18 +85,21 @@ def run_eval_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
     logger = MetricsLogger(sinks, stage_dir, total_steps=1, start_step=0, name=f"eval {stage.name}")
     audit = AuditLog(os.path.join(stage_dir, "audit.jsonl")) if primary else None
     try:
-        # A fleet gets these weights now (the local engine has them already).
+        # A fleet gets these weights now (the local engine has them already); every process
+        # writes its share, and process 0 alone pushes, so only it can see the push fail.
+        refused = None
         if run.rollout.kind != "local":
-            engine.update_weights(params, model_state or None, weight_version="eval", mode="abort")
-        metrics = error = None
-        if primary:
             try:
-                metrics = _evaluate(run, envs, engine, tokenizer, model_dir, stage_dir, audit)
+                engine.update_weights(params, model_state or None, weight_version="eval", mode="abort")
             except EngineUnavailable as e:
-                error = str(e)
-        metrics, error = broadcast_from_primary((metrics, error))
-        if error is not None:
-            raise EngineUnavailable(error)
+                refused = e
+
+        def evaluate() -> dict:
+            if refused is not None:
+                raise refused
+            return _evaluate(run, envs, engine, tokenizer, model_dir, stage_dir, audit)
+
+        metrics = on_primary(evaluate, f"eval stage '{stage.name}'", keep=(EngineUnavailable,))
         logger.log(0, metrics, prefix="eval")
     except EngineUnavailable as e:
         # Nothing to checkpoint: the stage is not marked done, so a re-launch evaluates afresh.

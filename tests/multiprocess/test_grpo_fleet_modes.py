@@ -4,7 +4,8 @@ pushes (the worker serves them over its base model), trains to the losses and he
 evaluations (process 0 samples them, the others get its metrics) of 1 process x 8;
 an async stage, whose collector runs ahead in process 0 alone and broadcasts each batch,
 trains every step on groups within the staleness bound, pushes every adapter version, and
-resumes from its checkpoint.
+resumes from its checkpoint; a worker that refuses the adapters stops every process with the
+reason (process 0 alone pushes, and tells the others), none left waiting.
 
 Every run starts its GRPO stage from the same SFT export (the one-process run's stage folder,
 copied), so the runs differ only in the stage under test."""
@@ -13,6 +14,7 @@ import dataclasses
 import json
 import math
 import shutil
+import time
 
 import pytest
 from flax import nnx
@@ -72,6 +74,26 @@ def one(worker, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("one") / "run"
     run(1, lora_args(folder, srv.url, run_dir))
     return run_dir
+
+
+def test_a_fleet_that_refuses_the_adapters_stops_every_process_with_the_reason(one, tmp_path):
+    model = str(one / "stages" / "sft" / "export")
+    plain = start_server(model, str(tmp_path / "server.log"))  # LoRA off: it refuses any adapter
+    try:
+        run_dir = tmp_path / "run"
+        from_sft_of(one, run_dir)
+        t0 = time.monotonic()
+        out = run(2, lora_args(model, plain.url, run_dir), check=False)
+        took = time.monotonic() - t0
+    finally:
+        plain.proc.terminate()
+        plain.proc.wait(timeout=60)
+    assert out.returncode != 0 and took < 300, (out.returncode, took)
+    for rank in (0, 1):
+        said = [
+            line for line in out.stdout.splitlines() if line.startswith(f"[rank {rank}]") and "--enable-lora" in line
+        ]
+        assert said, out.stdout[-3000:]
 
 
 def test_two_processes_train_a_lora_grpo_stage_to_the_losses_of_one(worker, one, tmp_path):

@@ -2,7 +2,7 @@
 
 collector.py  prompts from the environments -> the rollout engine -> scored groups
               (the one place engines and environments meet; sync and async)
-batch.py      scored trajectories -> the fixed-shape policy batch of a step
+batch.py      scored trajectories -> the policy batch of a step (rows cut to a length bucket)
 driver.py     the stage: rollout batches (reward shaping, group advantages, the
               epoch/mini-batch split, metrics and cost) -> the shared jitted update
               (ptrain.train.policy_objective's objective) -> weights to the engine

@@ -122,10 +122,12 @@ def bucket_length(longest: int, seq_len: int, multiple: int = 1) -> int:
 
 
 def trimmed(batch: dict[str, np.ndarray], length: int) -> dict[str, np.ndarray]:
-    """`batch` with its [B, L] arrays cut to `length` tokens (what is cut must be padding)."""
+    """`batch` with its per-token [B, L] arrays cut to `length` tokens (what is cut must be
+    padding); per-row arrays stay as they are."""
     if int(batch["segment_ids"][:, length:].sum()):
         raise ValueError(f"rows hold tokens past {length}; cut at the longest row or later")
-    return {k: v[:, :length] if v.ndim == 2 else v for k, v in batch.items()}
+    full = batch["input_ids"].shape
+    return {k: v[:, :length] if v.shape[:2] == full else v for k, v in batch.items()}
 
 
 def measured_advantages(

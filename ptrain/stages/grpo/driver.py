@@ -43,7 +43,7 @@ from ptrain.config import RunConfig
 from ptrain.config.cost import cpu_cores
 from ptrain.config.grpo import staleness_bound
 from ptrain.envs.base import is_correct
-from ptrain.parallel.multihost import broadcast_from_primary, is_primary
+from ptrain.parallel.multihost import broadcast_from_primary, is_primary, on_primary
 from ptrain.rollout.protocol import EngineUnavailable, SamplingParams
 from ptrain.stages.grpo.batch import bucket_length, measured_advantages, policy_batch, trimmed
 from ptrain.stages.grpo.collector import Group, RolloutCollector
@@ -128,12 +128,25 @@ class RolloutBatches:
         (adapter-sized: the in-process engine's policy slot, or the fleet's versioned adapter),
         else the whole (merged) weights."""
         version = str(step)
-        if getattr(self.engine, "default_lora", None) == POLICY_ADAPTER:  # an engine serving the adapters
-            self.engine.update_lora(POLICY_ADAPTER, state.params, state.lora, weight_version=version, mode=mode)
-        else:
-            self.engine.update_weights(
-                state.merged_params(), state.model_state or None, weight_version=version, mode=mode
-            )
+        error = None
+        try:
+            if getattr(self.engine, "default_lora", None) == POLICY_ADAPTER:  # an engine serving the adapters
+                self.engine.update_lora(POLICY_ADAPTER, state.params, state.lora, weight_version=version, mode=mode)
+            else:
+                self.engine.update_weights(
+                    state.merged_params(), state.model_state or None, weight_version=version, mode=mode
+                )
+        except EngineUnavailable as e:  # a fleet that refused or lost the version: process 0 alone sees it
+            if jax.process_count() == 1:
+                raise
+            error = e
+        if jax.process_count() > 1:
+            # Every process stops at this step, or none: the others would wait for a batch.
+            message = broadcast_from_primary(None if error is None else str(error))
+            if error is not None:
+                raise error
+            if message is not None:
+                raise EngineUnavailable(message)
 
     def __iter__(self):
         return self
@@ -224,23 +237,19 @@ class RolloutBatches:
         """One rollout batch into the queue. As several JAX processes, process 0 samples and
         scores it (the fleet serves it once) and every process gets the same rows and metrics,
         or the same EngineUnavailable, so that they stop or train in lockstep."""
-        sampled = error = None
-        if is_primary():
+
+        def sample() -> tuple[dict, dict]:
             before = self.collector.get_state()
             try:
-                sampled = self._rollout_batch()
-            except EngineUnavailable as e:
+                return self._rollout_batch()
+            except EngineUnavailable:
                 # Put the task order back where it was, so that a checkpoint saved now resumes
                 # with the same tasks (in async mode unfinished groups are in the state anyway).
                 if self.cfg.mode == "sync":
                     self.collector.set_state(before)
-                if jax.process_count() == 1:
-                    raise
-                error = str(e)
-        sampled, error = broadcast_from_primary((sampled, error))
-        if error is not None:
-            raise EngineUnavailable(error)
-        batch, self.next_metrics = sampled
+                raise
+
+        batch, self.next_metrics = on_primary(sample, "sampling a rollout batch", keep=(EngineUnavailable,))
         if self.cfg.epochs > 1 or self.cfg.mini_batches > 1:
             batch["old_logp"] = np.asarray(self._old_logp(self.state.model_params(), self.state.model_state, batch))
         self._split(batch)
@@ -322,13 +331,17 @@ class RolloutBatches:
         m["reward/std"] = float(adv_aux.reward_std)
         m["frac_zero_std_groups"] = float(adv_aux.frac_zero_std)
         m["pass_rate"] = float(correct.mean())
-        m["response_length/mean"] = float(lengths.mean())
-        m["response_length/max"] = float(lengths.max())
-        if correct.any():
+        # Lengths of the answers given: a failed sample (an env or engine error) gave none.
+        answered = np.array([t.error is None for t in trajectories])
+        if answered.any():
+            m["response_length/mean"] = float(lengths[answered].mean())
+            m["response_length/max"] = float(lengths[answered].max())
+            cut = [t.finish_reason in ("length", "token_limit") for t in trajectories]
+            m["truncated_frac"] = float(np.mean(np.asarray(cut)[answered]))
+        if (correct > 0).any():
             m["response_length/correct"] = float(lengths[correct > 0].mean())
-        if (correct == 0).any():
-            m["response_length/wrong"] = float(lengths[correct == 0].mean())
-        m["truncated_frac"] = float(np.mean([t.finish_reason in ("length", "token_limit") for t in trajectories]))
+        if (answered & (correct == 0)).any():
+            m["response_length/wrong"] = float(lengths[answered & (correct == 0)].mean())
         m["reward_errors"] = float(sum(t.reward_error is not None for t in trajectories))
         m["env_errors"] = float(sum(t.error is not None for t in trajectories))
         m["masked_samples"] = float(sum(t.masked for t in trajectories))
@@ -444,7 +457,9 @@ def run_grpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
         loss_cfg = dataclasses.replace(cfg, norm_constant=float(run.train.seq_len))
     algorithm = Algorithm(
         objective=make_policy_objective(
-            placed.model_def, loss_cfg, vocab_chunk=run.train.vocab_chunk,
+            placed.model_def,
+            loss_cfg,
+            vocab_chunk=run.train.vocab_chunk,
             aux_loss_coef=run.model.router_aux_loss_coef,
         ),  # fmt: skip
         denominator=policy_denominator(cfg.aggregation),
