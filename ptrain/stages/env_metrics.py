@@ -218,6 +218,12 @@ def evaluate_envs(
                 for ts in results:
                     audit.write_all(ts, record="eval", decoding=prefix.rstrip("/") or "greedy")
             flat = [t for ts in results for t in ts]
+            failed = [t for t in flat if t.error is not None]
+            if failed and not (strict and len(failed) == len(flat)):  # else the ValueError below says it
+                # Counted as wrong answers: say so, or a refused request reads as a weak model.
+                print(f"ptrain: eval: {len(failed)} of {len(flat)} {prefix.rstrip('/') or 'greedy'} episodes of "
+                      f"environment '{name}' failed and count as wrong; the first: {failed[0].error}",
+                      flush=True)  # fmt: skip
             if strict and flat and all(t.error is not None for t in flat):
                 raise ValueError(
                     f"every one of the {len(flat)} {prefix.rstrip('/') or 'greedy'} episodes of environment "

@@ -73,7 +73,7 @@ def test_an_environment_without_held_out_tasks_is_a_config_error(tmp_path):
     assert not (tmp_path / "stages" / "eval" / "DONE.json").exists()
 
 
-def test_an_environment_whose_every_episode_failed_stops_the_eval_stage():
+def test_an_environment_whose_every_episode_failed_stops_the_eval_stage(capsys):
     """Every prompt refused (longer than rollout.context_length, a dead NeMo Gym server): the
     stage was marked done with zeros, which a relaunch then skipped. The periodic evaluation
     of an RL stage still reports it and goes on."""
@@ -91,7 +91,10 @@ def test_an_environment_whose_every_episode_failed_stops_the_eval_stage():
     with pytest.raises(ValueError, match=r"every one of the 2 greedy episodes of environment 'countdown' failed, "
                        r"the first with: replay engine: no completion left for rid 'countdown/eval-0'"):  # fmt: skip
         evaluate_envs({"countdown": env}, refusing, cfg, strict=True)
+    assert "ptrain: eval:" not in capsys.readouterr().out  # the error says it
     assert evaluate_envs({"countdown": env}, refusing, cfg)["countdown/env_errors"] == 2
+    said = capsys.readouterr().out
+    assert "ptrain: eval: 2 of 2 greedy episodes of environment 'countdown' failed and count as wrong" in said
 
 
 def test_an_unreachable_fleet_stops_the_eval_stage_with_its_answers(tmp_path):
