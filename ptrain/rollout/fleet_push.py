@@ -161,11 +161,11 @@ class FleetPush:
         """Export LoRA `adapters` (the trainer's pytree, with LoRASpec `spec`) of adapter `name`
         to `<weight_dir>/v<version>-lora/`, load them on every worker in service and make
         requests for `name` use them (module docstring): a weight update whose payload is the
-        adapters alone, as LocalEngine.update_lora. With several JAX processes every one calls
-        it (the adapters are gathered to every host, a collective) and process 0 alone pushes. Blocks until every worker in service holds
+        adapters alone, as LocalEngine.update_lora. Blocks until every worker in service holds
         the version (and with mode drain or abort until the previous version is unloaded).
         WeightSyncError when a worker refuses the adapter; FleetUnavailable when no worker is
-        left to serve it. Returns the version."""
+        left to serve it. Returns the version. With several JAX processes every one calls it:
+        the adapters are gathered to every host (a collective) and process 0 alone pushes."""
         s = self.state
         cfg = s.settings
         if mode not in SWAP_MODES:
