@@ -68,6 +68,11 @@ class _SamplingAndUpdates(SamplingConfig, _LossAndBatch):
     (at least 128 tokens, a multiple of mesh.context) that holds its longest sample, so short
     samples are not trained at the full context's cost; a stage compiles one step per length
     it meets (at most log2(seq_len / 128) + 1). false: every batch at seq_len, one compile."""
+    pack_rows: bool = False
+    """Pack several samples into each row (first fit in decreasing length; attention and every
+    per-sequence quantity stay within a sample), so a batch of mixed lengths trains on far fewer
+    rows: worth it when a few samples run long and most stay short. The row count is rounded to
+    one of a few sizes (rows x 1, 3/4, 1/2, 3/8, ...), each compiled once."""
 
 
 @dataclass

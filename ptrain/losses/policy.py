@@ -58,7 +58,7 @@ import jax.numpy as jnp
 
 from ptrain.config.choices import KL_ESTIMATORS
 from ptrain.config.policy_loss import PolicyLossConfig
-from ptrain.losses.reduce import masked_max, masked_mean, safe_divide
+from ptrain.losses.reduce import masked_max, masked_mean, safe_divide, sequence_sums
 
 _LOG_RATIO_LIMIT = 20.0  # exp(20) ~ 5e8: beyond it a ratio is meaningless and only risks inf
 
@@ -150,19 +150,40 @@ def _check_policy_args(logp, mask, advantages, named, cfg: PolicyLossConfig, den
         )
 
 
-def _per_sequence(x_BxL, mask_BxL, how: str):
-    """sum or mean over each row's masked tokens, kept as [B, 1] for broadcasting."""
-    s = jnp.sum(x_BxL * mask_BxL, axis=1, keepdims=True)
-    return s if how == "sum" else safe_divide(s, jnp.sum(mask_BxL, axis=1, keepdims=True))
+class _Sequences:
+    """The sequences of a batch: its rows, or with segment ids (packed rows) each (row, segment)
+    pair. Per-sequence sums and their spreading back onto the tokens."""
+
+    def __init__(self, segment_ids_BxL: jax.Array | None):
+        self.segment_ids = segment_ids_BxL
+
+    def sums(self, x_BxL, mask_BxL):
+        """(sums of the masked values, token counts): [B] for rows, [B * (L + 1)] for segments."""
+        return sequence_sums(x_BxL, mask_BxL, self.segment_ids)
+
+    def spread(self, per_seq):
+        """A per-sequence value on every token of its sequence, [B, L] (or [B, 1] for rows)."""
+        if self.segment_ids is None:
+            return per_seq[:, None]
+        b, l = self.segment_ids.shape
+        ids = jnp.arange(b, dtype=jnp.int32)[:, None] * (l + 1) + jnp.clip(self.segment_ids, 0, l)
+        return per_seq[ids]
+
+    def per_token(self, x_BxL, mask_BxL, how: str):
+        """sum or mean over each sequence's masked tokens, on each of its tokens."""
+        s, n = self.sums(x_BxL, mask_BxL)
+        return self.spread(s if how == "sum" else safe_divide(s, n))
 
 
-def _engine_correction(old, eng, mask, *, is_correction, is_level, is_low, is_high, max_seq_mult_prob_error):
+def _engine_correction(
+    old, eng, mask, seqs: _Sequences, *, is_correction, is_level, is_low, is_high, max_seq_mult_prob_error
+):
     """IS weights `[B, L]` (stop-gradient), the mask after sequence drops, and mismatch metrics."""
     delta = old - eng
     if is_level == "token":
         log_w = delta
     else:
-        log_w = _per_sequence(delta, mask, "sum" if is_level == "sequence" else "mean") * jnp.ones_like(delta)
+        log_w = seqs.per_token(delta, mask, "sum" if is_level == "sequence" else "mean") * jnp.ones_like(delta)
     w_raw = jnp.exp(jnp.clip(log_w, -_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT))
     if is_correction == "is":
         w = w_raw
@@ -179,29 +200,29 @@ def _engine_correction(old, eng, mask, *, is_correction, is_level, is_low, is_hi
         is_masked = jnp.zeros_like(w)
 
     mult_err = jnp.exp(jnp.minimum(jnp.abs(delta), _LOG_RATIO_LIMIT))
-    row_has = jnp.any(mask > 0, axis=1)
+    err_sum, count = seqs.sums(mult_err, mask)
+    has = count > 0
     if max_seq_mult_prob_error is not None:
-        dropped = (_per_sequence(mult_err, mask, "mean")[:, 0] > max_seq_mult_prob_error) & row_has
+        dropped = (safe_divide(err_sum, count) > max_seq_mult_prob_error) & has
     else:
-        dropped = jnp.zeros(mask.shape[:1], bool)
+        dropped = jnp.zeros_like(has)
     metrics = dict(
         is_ratio_mean=masked_mean(w_raw, mask),
         is_ratio_max=masked_max(w_raw, mask),
         mismatch_kl=masked_mean(kl_penalty(eng, old, "k3"), mask),
         mult_prob_error=masked_mean(mult_err, mask),
         frac_is_masked=masked_mean(is_masked, mask),
-        frac_seq_dropped=safe_divide(jnp.sum(dropped.astype(jnp.float32)), jnp.sum(row_has.astype(jnp.float32))),
+        frac_seq_dropped=safe_divide(jnp.sum(dropped.astype(jnp.float32)), jnp.sum(has.astype(jnp.float32))),
     )
-    kept_mask = mask * (1.0 - dropped.astype(jnp.float32))[:, None]
+    kept_mask = mask * (1.0 - seqs.spread(dropped.astype(jnp.float32)))
     return jax.lax.stop_gradient(w), kept_mask, metrics
 
 
-def _aggregate(l_BxL, mask, aggregation: str, denominator, norm_constant):
+def _aggregate(l_BxL, mask, seqs: _Sequences, aggregation: str, denominator, norm_constant):
     if aggregation == "token_mean":
         den = jnp.sum(mask) if denominator is None else denominator
         return safe_divide(jnp.sum(l_BxL * mask), den)
-    row_sum = jnp.sum(l_BxL * mask, axis=1)
-    row_count = jnp.sum(mask, axis=1)
+    row_sum, row_count = seqs.sums(l_BxL, mask)
     den = jnp.sum((row_count > 0).astype(jnp.float32)) if denominator is None else denominator
     if aggregation == "seq_mean_token_mean":
         return safe_divide(jnp.sum(safe_divide(row_sum, row_count)), den)
@@ -222,6 +243,7 @@ def policy_loss(
     ref_logp: jax.Array | None = None,
     entropy: jax.Array | None = None,
     engine_logp: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
     **options,
 ) -> tuple[jax.Array, PolicyAux]:
     """Clipped policy-gradient loss with named options (formulas and papers in the module docstring).
@@ -244,6 +266,10 @@ def policy_loss(
       entropy: per-token entropy `[B, L]` (differentiable; needed when entropy_coef > 0).
       engine_logp: `[B, L]` rollout-engine log-probs of the sampled tokens; enables mismatch
         metrics, `is_correction` and `max_seq_mult_prob_error`.
+      segment_ids: `[B, L]` int, for packed rows (several sequences to a row, numbered 1, 2, ...
+        within it; 0 on padding): every per-sequence quantity (the sequence-level ratio and IS
+        weight, the sequence drop, the seq_mean aggregations, seq_count) is then per (row,
+        segment). None: each row is one sequence. Pass per-token advantages with it.
 
     Returns:
       (scalar float32 loss, PolicyAux).
@@ -260,6 +286,9 @@ def policy_loss(
     advantages = jnp.asarray(advantages)
     named = dict(old_logp=old_logp, ref_logp=ref_logp, entropy=entropy, engine_logp=engine_logp)
     _check_policy_args(logp, mask, advantages, named, cfg, denominator)
+    if segment_ids is not None and tuple(segment_ids.shape) != tuple(logp.shape):
+        raise ValueError(f"segment_ids has shape {tuple(segment_ids.shape)}, expected logp's {tuple(logp.shape)}.")
+    seqs = _Sequences(None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32))
     objective, ratio_level, aggregation = cfg.objective, cfg.ratio_level, cfg.aggregation
     clip_low = cfg.clip_low
     clip_high = clip_low if cfg.clip_high is None else cfg.clip_high
@@ -284,6 +313,7 @@ def policy_loss(
             old,
             jax.lax.stop_gradient(engine_logp),
             mask,
+            seqs,
             is_correction=is_correction,
             is_level=is_level,
             is_low=is_low,
@@ -305,7 +335,7 @@ def policy_loss(
     if ratio_level == "token":
         log_r = logp - old
     else:
-        seq_log_ratio = _per_sequence(jax.lax.stop_gradient(logp) - old, mask, "mean")
+        seq_log_ratio = seqs.per_token(jax.lax.stop_gradient(logp) - old, mask, "mean")
         log_r = logp - jax.lax.stop_gradient(logp) + seq_log_ratio
     ratio = jnp.exp(jnp.clip(log_r, -_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT))
     lo, hi = 1.0 - clip_low, 1.0 + clip_high
@@ -336,7 +366,7 @@ def policy_loss(
     if entropy is not None:
         per_token = per_token - entropy_coef * entropy
 
-    agg = lambda x: _aggregate(x, mask, aggregation, denominator, norm_constant)  # noqa: E731
+    agg = lambda x: _aggregate(x, mask, seqs, aggregation, denominator, norm_constant)  # noqa: E731
     loss = agg(per_token)
     sg = jax.lax.stop_gradient
     frac = lambda b: masked_mean(b.astype(f32), mask)  # noqa: E731
@@ -352,7 +382,7 @@ def policy_loss(
         ratio_mean=masked_mean(r_value, mask),
         ratio_max=masked_max(r_value, mask),
         token_count=jnp.sum(mask),
-        seq_count=jnp.sum((jnp.sum(mask, axis=1) > 0).astype(f32)),
+        seq_count=jnp.sum((seqs.sums(mask, mask)[1] > 0).astype(f32)),
         **mismatch,
     )
     return loss, jax.tree.map(sg, aux)

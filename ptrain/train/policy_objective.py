@@ -1,7 +1,8 @@
 """The policy-gradient objective of the GRPO family, as a pure function of params and a batch.
 
-The batch is `ptrain.stages.grpo.batch.policy_batch`'s: one trajectory per row, the engine's
-log-probs of the sampled tokens, one advantage per row. The objective recomputes the
+The batch is `ptrain.stages.grpo.batch.policy_batch`'s: one trajectory per row (or, with
+`algo.grpo.pack_rows`, per segment of a row), the engine's log-probs of the sampled tokens, its
+advantage. The objective recomputes the
 policy's log-probs of those tokens under softmax(logits / temperature) (the distribution
 the engine sampled from, before top-k / top-p truncation) and hands them to
 `ptrain.losses.policy_loss` with the options of `algo.grpo`.
@@ -28,27 +29,30 @@ import jax.numpy as jnp
 
 from ptrain.losses import vocab_stats_from_hidden
 from ptrain.losses.policy import policy_loss
+from ptrain.losses.reduce import sequence_sums
 from ptrain.train.state import ModelDef, TrainState
 
-# PolicyAux fields that are token means over the micro-batch's kept tokens; the step sums
-# micro-batches, so each is weighted by the micro-batch's share of the batch's tokens.
-# (pg_loss and kl_loss are aggregated over the global denominator already: they add up.)
+# PolicyAux fields that are means over the micro-batch's tokens (kept ones: after the sequence
+# drop; all: before it) or its sequences; the step sums micro-batches, so each is weighted by
+# the micro-batch's share of the batch's tokens or sequences. (pg_loss and kl_loss are
+# aggregated over the global denominator already: they add up.)
 _ADDITIVE_METRICS = ("pg_loss", "kl_loss")
-_TOKEN_MEAN_METRICS = (
-    "entropy", "clip_frac_low", "clip_frac_high", "clip_frac_dual", "approx_kl",
-    "ratio_mean", "is_ratio_mean", "mismatch_kl", "mult_prob_error", "frac_is_masked", "frac_seq_dropped",
-)  # fmt: skip
+_KEPT_TOKEN_METRICS = ("entropy", "clip_frac_low", "clip_frac_high", "clip_frac_dual", "approx_kl", "ratio_mean")
+_ALL_TOKEN_METRICS = ("is_ratio_mean", "mismatch_kl", "mult_prob_error", "frac_is_masked")
+_SEQUENCE_METRICS = ("frac_seq_dropped",)
 _MAX_METRICS = ("ratio_max", "is_ratio_max")
 
 
-def policy_denominator(aggregation: str):
+def policy_denominator(aggregation: str, packed: bool = False):
     """Global-batch denominators: {"loss": tokens (token_mean) or sequences (seq_mean_*),
-    "tokens": loss tokens, "seqs": sequences with at least one loss token}."""
+    "tokens": loss tokens, "seqs": sequences with at least one loss token}. packed: a sequence
+    is a segment of a row (`policy_batch(pack=True)`), not the row."""
 
     def denominator(batch: dict) -> dict[str, jax.Array]:
         mask = batch["loss_mask"].astype(jnp.float32)
         tokens = jnp.sum(mask)
-        seqs = jnp.sum((jnp.sum(mask, axis=1) > 0).astype(jnp.float32))
+        _, counts = sequence_sums(mask, mask, batch["segment_ids"] if packed else None)
+        seqs = jnp.sum((counts > 0).astype(jnp.float32))
         return {"loss": tokens if aggregation == "token_mean" else seqs, "tokens": tokens, "seqs": seqs}
 
     return denominator
@@ -108,12 +112,17 @@ def make_policy_objective(model_def: ModelDef, cfg: Any, *, vocab_chunk: int = 0
             ref_logp=ref,
             entropy=stats.entropy if cfg.entropy_coef > 0 else None,
             engine_logp=batch["engine_logp"],
+            segment_ids=batch["segment_ids"] if cfg.pack_rows else None,
             cfg=cfg,
         )
-        share = aux.token_count / denoms["tokens"]
-        metrics = {k: getattr(aux, k) * share for k in _TOKEN_MEAN_METRICS}
-        metrics.update({k: getattr(aux, k) for k in _ADDITIVE_METRICS})
         mask = batch["loss_mask"].astype(jnp.float32)
+        _, seq_tokens = sequence_sums(mask, mask, batch["segment_ids"] if cfg.pack_rows else None)
+        share = aux.token_count / denoms["tokens"]
+        metrics = {k: getattr(aux, k) * share for k in _KEPT_TOKEN_METRICS}
+        metrics.update({k: getattr(aux, k) * jnp.sum(mask) / denoms["tokens"] for k in _ALL_TOKEN_METRICS})
+        seq_share = jnp.sum((seq_tokens > 0).astype(jnp.float32)) / denoms["seqs"]
+        metrics.update({k: getattr(aux, k) * seq_share for k in _SEQUENCE_METRICS})
+        metrics.update({k: getattr(aux, k) for k in _ADDITIVE_METRICS})
         # The entropy of every sampled token, whatever entropy_coef says (PolicyAux has it only
         # when the bonus is on): a falling entropy is the first sign of collapse.
         metrics["policy_entropy"] = jnp.sum(stats.entropy * mask) / denoms["tokens"]

@@ -25,7 +25,7 @@ def test_algo_grpo_is_each_group_and_each_group_keeps_its_own_check():
     adv = [f.name for f in dataclasses.fields(AdvantageConfig)]
     # The keys' order of the pinned resolved configs (tests/golden/recipes): loss, batch shape,
     # sampling, updates, advantages, the rest.
-    updates = ["epochs", "mini_batches", "bucket_lengths"]
+    updates = ["epochs", "mini_batches", "bucket_lengths", "pack_rows"]
     assert names[: len(loss) + 2 + len(sampling) + len(updates) + len(adv)] == [
         *loss, "prompts_per_step", "group_size", *sampling, *updates, *adv,
     ]  # fmt: skip

@@ -140,13 +140,15 @@ def test_async_grpo_uses_each_sample_once_within_the_staleness_bound(tmp_path):
 def test_grpo_options_run_together(tmp_path):
     """Dynamic sampling, the soft overlong penalty, overlong filtering, a solved-task
     curriculum, two epochs of two mini-batches (proximal log-probs), KL to a reference and
-    masked IS in one short run: it trains, and reports what each option did. Its rows of at most
-    about 50 tokens train at 128 of train.seq_len's 256 (bucket_lengths)."""
+    masked IS in one short run: it trains, and reports what each option did. Its samples of at
+    most about 50 tokens train at 128 of train.seq_len's 256 (bucket_lengths), packed several to
+    a row (pack_rows)."""
     out = tmp_path / "options"
     run(out, "train.steps=4", "checkpoint.every_steps=4", "train.seq_len=256", "algo.grpo.dynamic_sampling=true",
         "algo.grpo.max_sampling_rounds=2", "algo.grpo.overlong_buffer=8", "algo.grpo.overlong_filter=true",
         "algo.grpo.drop_solved=true", "algo.grpo.epochs=2", "algo.grpo.mini_batches=2", "algo.grpo.kl_coef=0.05",
-        "algo.grpo.is_correction=mis", "algo.grpo.is_low=0.5", "algo.grpo.max_seq_mult_prob_error=2.0")  # fmt: skip
+        "algo.grpo.is_correction=mis", "algo.grpo.is_low=0.5", "algo.grpo.max_seq_mult_prob_error=2.0",
+        "algo.grpo.pack_rows=true")  # fmt: skip
     m = metrics(out)
     assert [r["step"] for r in m] == [1, 2, 3, 4]
     first = m[0]
@@ -156,6 +158,9 @@ def test_grpo_options_run_together(tmp_path):
     # Steps 2 and 4 are each the second mini-batch pass; the rollouts happen at steps 1 and 3.
     assert "train/reward/mean" in m[0] and "train/reward/mean" not in m[1]
     assert m[0]["train/row_length"] == 128
+    # 16 samples in a few rows (a multiple of the 2 mini-batches), two or more to a row.
+    rows = [r["train/rows"] for r in m if "train/rows" in r]
+    assert rows and all(n <= 8 and n % 2 == 0 for n in rows), rows
     with pytest.raises(AssertionError, match="multiple of 4"):
         run(tmp_path / "bad", "train.steps=6", "algo.grpo.epochs=2", "algo.grpo.mini_batches=2")
 

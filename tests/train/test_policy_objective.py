@@ -11,7 +11,7 @@ from ptrain.config import OptimConfig
 from ptrain.config.grpo import GRPOAlgoConfig
 from ptrain.envs.base import Task, Trajectory
 from ptrain.losses.policy import policy_loss
-from ptrain.stages.grpo.batch import MIN_BUCKET, bucket_length, policy_batch, trimmed
+from ptrain.stages.grpo.batch import MIN_BUCKET, bucket_length, packed_rows, policy_batch, trimmed
 from ptrain.train.optim import make_optimizer
 from ptrain.train.policy_objective import make_policy_objective, policy_denominator, policy_logprobs
 from ptrain.train.state import init_train_state, split_model
@@ -78,6 +78,93 @@ def test_a_bucketed_batch_has_the_loss_and_gradient_of_the_full_length_one():
         assert float(l_short) == pytest.approx(float(l_full), rel=1e-5)
         for a, b in zip(jax.tree.leaves(g_full), jax.tree.leaves(g_short)):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "needed, rows, multiple, want",
+    [(27, 96, 1, 36), (37, 96, 1, 48), (49, 96, 1, 72), (73, 96, 1, 96), (1, 96, 1, 3), (3, 8, 1, 3),
+     (3, 8, 4, 4), (5, 8, 4, 8), (0, 8, 2, 2), (10, 12, 6, 12)],
+)  # fmt: skip
+def test_a_packed_batch_rounds_its_rows_up_to_a_few_sizes(needed, rows, multiple, want):
+    assert packed_rows(needed, rows, multiple) == want
+
+
+def mixed_trajectories():
+    sizes = [(3, 9), (1, 2), (2, 4), (1, 1), (2, 11), (1, 3), (4, 5), (2, 2)]  # (prompt, response) tokens
+    return [traj(list(range(1, p + 1)), [20 + i + j for j in range(r)], seed=i, finish="length" if i == 4 else "stop")
+            for i, (p, r) in enumerate(sizes)]  # fmt: skip
+
+
+def test_packing_puts_several_trajectories_in_a_row_each_its_own_segment():
+    trajs = mixed_trajectories()
+    adv = np.linspace(-1, 1, len(trajs), dtype=np.float32)
+    flat, _ = policy_batch(trajs, adv, rows=8, seq_len=32)
+    packed, counts = policy_batch(trajs, adv, rows=8, seq_len=32, pack=True)
+    assert packed["input_ids"].shape == (3, 32) and packed["advantages"].shape == (3, 32)  # 82 tokens
+    assert counts["loss_tokens"] == flat["loss_mask"].sum() == packed["loss_mask"].sum()
+    seen = 0
+    for row in range(3):
+        seg, pos = packed["segment_ids"][row], packed["positions"][row]
+        for k in range(1, seg.max() + 1):
+            at = np.flatnonzero(seg == k)
+            assert (np.diff(at) == 1).all() and (pos[at] == np.arange(len(at))).all()  # contiguous, from 0
+            # It is one of the trajectories, with its own advantage on each of its tokens.
+            i = next(i for i in range(8) if (flat["input_ids"][i, : len(at)] == packed["input_ids"][row, at]).all()
+                     and flat["segment_ids"][i].sum() == len(at))  # fmt: skip
+            np.testing.assert_array_equal(packed["engine_logp"][row, at], flat["engine_logp"][i, : len(at)])
+            assert (packed["advantages"][row, at] == adv[i]).all()
+            seen += 1
+    assert seen == 8
+    masked = [dataclasses.replace(t, masked=True) if i == 0 else t for i, t in enumerate(trajs)]
+    packed, counts = policy_batch(masked, adv, rows=8, seq_len=32, pack=True, multiple=2)
+    assert counts["masked_samples"] == 1 and packed["input_ids"].shape[0] == 2
+    assert packed["segment_ids"].max(axis=1).sum() == 7
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(), dict(aggregation="seq_mean_token_mean", kl_coef=0.1), dict(aggregation="seq_mean_token_sum_norm",
+     norm_constant=32.0), dict(ratio_level="sequence", clip_low=3e-4, clip_high=4e-4, aggregation="seq_mean_token_mean"),
+     dict(is_correction="is", is_level="sequence", max_seq_mult_prob_error=1.3, aggregation="seq_mean_token_mean")],
+)  # fmt: skip
+def test_a_packed_batch_has_the_loss_and_gradient_of_the_unpacked_one(options):
+    """Packing changes the layout only: per token the model's log-probs are the same (attention
+    and positions stay inside a segment), and the loss, its gradient and every count agree for
+    each aggregation, the sequence-level ratio and IS weight, and the sequence drop."""
+    model_def, params, rest = split_model(tiny_model())
+    trajs = mixed_trajectories()
+    adv = np.linspace(-1, 1, len(trajs), dtype=np.float32)
+    flat, _ = policy_batch(trajs, adv, rows=8, seq_len=32, mask_truncated=True)
+    packed, _ = policy_batch(trajs, adv, rows=8, seq_len=32, mask_truncated=True, pack=True, multiple=2)
+    assert packed["input_ids"].shape[0] == 4  # 3 full, 1 of padding
+    tx, _ = make_optimizer(OptimConfig(), 10)
+    state = init_train_state(params, tx, seed=0, model_state=rest, ref_params=params)
+    out = {}
+    for name, batch, pack in (("flat", flat, False), ("packed", packed, True)):
+        logp = np.asarray(policy_logprobs(model_def, params, rest, batch, temperature=1.0, vocab_chunk=0))
+        out.setdefault("logp", []).append(np.sort(logp[batch["loss_mask"] > 0]))
+        # The engine is close to the trainer, except on tokens >= 28 (in three of the sequences that
+        # count), which the sequence drop takes out.
+        batch = dict(
+            batch,
+            old_logp=logp - 0.05,
+            engine_logp=logp - 0.05 - np.where(batch["target_ids"] >= 28, 3.0, 0.05).astype(np.float32),
+        )
+        cfg = GRPOAlgoConfig(epochs=2, pack_rows=pack, **options)
+        obj = make_policy_objective(model_def, cfg)
+        denom = policy_denominator(cfg.aggregation, packed=pack)(batch)
+        (loss, m), g = jax.value_and_grad(lambda p, b=batch, d=denom: obj(p, state, b, d), has_aux=True)(params)
+        out[name] = (float(loss), {k: float(v) for k, v in m.items() if np.ndim(v) == 0}, g, denom)
+    np.testing.assert_allclose(*out["logp"], rtol=1e-5, atol=1e-6)
+    (l_flat, m_flat, g_flat, d_flat), (l_packed, m_packed, g_packed, d_packed) = out["flat"], out["packed"]
+    assert l_packed == pytest.approx(l_flat, rel=1e-5, abs=1e-7)
+    assert float(d_packed["seqs"]) == float(d_flat["seqs"]) == 7  # the overlong one is filtered out
+    for k in ("loss_seqs", "loss_tokens", "frac_seq_dropped", "pg_loss", "kl_loss", "ratio_mean"):
+        assert m_packed[k] == pytest.approx(m_flat[k], rel=1e-5, abs=1e-7), k
+    if "max_seq_mult_prob_error" in options:
+        assert m_flat["frac_seq_dropped"] == pytest.approx(3 / 7)
+    for a, b in zip(jax.tree.leaves(g_flat), jax.tree.leaves(g_packed)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
 @pytest.fixture(scope="module")

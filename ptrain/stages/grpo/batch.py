@@ -12,6 +12,11 @@ halving of it that holds the longest row, so a stage compiles a few step shapes)
   advantages   float32 [B] per trajectory
   row_valid    float32 [B] 1 for a real row, 0 for a padding row
 
+Packed (`pack=True`), trajectories share rows, first-fit in decreasing length: each is its own
+segment (segment_ids 1, 2, ... within a row, positions restarting at 0), attention stays inside
+it, and `advantages` is per token, [B, L]. A batch of mixed lengths then trains on far fewer
+rows; the row count is rounded up to a few sizes (`packed_rows`) so a stage compiles few shapes.
+
 The shift keeps the batch contract of SFT (ptrain/__init__.py): position i predicts
 target i. Token ids are used exactly as the engine and the environment produced them.
 
@@ -42,13 +47,18 @@ def policy_batch(
     rows: int,
     seq_len: int,
     mask_truncated: bool = False,
+    pack: bool = False,
+    multiple: int = 1,
 ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
-    """Pack trajectories into `rows` rows of `seq_len` tokens (padding rows at the end).
+    """Place trajectories into `rows` rows of `seq_len` tokens (padding rows at the end).
 
     mask_truncated: drop the tokens of trajectories that hit a length limit from the loss
     (DAPO's overlong filtering). A trajectory longer than seq_len + 1 tokens keeps its first
     seq_len + 1 and is counted in `clipped_trajectories` (the stage's config check makes that
     rare: prompts + max_new_tokens should fit).
+
+    pack: several trajectories to a row (module docstring); the batch has `packed_rows(needed,
+    rows, multiple)` rows instead of `rows`.
 
     A masked trajectory gets no row content (row_valid 0, no loss tokens), counted in
     `masked_samples`.
@@ -61,41 +71,42 @@ def policy_batch(
     if len(advantages) != len(trajectories):
         raise ValueError(f"{len(advantages)} advantages for {len(trajectories)} trajectories")
     L = seq_len
+    # Each trajectory's tokens, cut to seq_len + 1 (the shifted row holds seq_len of them).
+    kept = [None if t.masked else min(len(t.token_ids), L + 1) for t in trajectories]
+    place = _packed_places(kept, L) if pack else [(b, 0) for b in range(len(trajectories))]
+    n_rows = packed_rows(1 + max((r for r, _ in place), default=-1), rows, multiple) if pack else rows
     batch = {
-        "input_ids": np.zeros((rows, L), np.int32),
-        "target_ids": np.zeros((rows, L), np.int32),
-        "positions": np.zeros((rows, L), np.int32),
-        "segment_ids": np.zeros((rows, L), np.int32),
-        "loss_mask": np.zeros((rows, L), np.float32),
-        "engine_logp": np.zeros((rows, L), np.float32),
-        "advantages": np.zeros((rows,), np.float32),
-        "row_valid": np.zeros((rows,), np.float32),
+        "input_ids": np.zeros((n_rows, L), np.int32),
+        "target_ids": np.zeros((n_rows, L), np.int32),
+        "positions": np.zeros((n_rows, L), np.int32),
+        "segment_ids": np.zeros((n_rows, L), np.int32),
+        "loss_mask": np.zeros((n_rows, L), np.float32),
+        "engine_logp": np.zeros((n_rows, L), np.float32),
+        "advantages": np.zeros((n_rows, L) if pack else (n_rows,), np.float32),
+        "row_valid": np.zeros((n_rows,), np.float32),
     }
     clipped = masked = dropped = 0
-    for b, (t, adv) in enumerate(zip(trajectories, advantages)):
-        if t.masked:
+    for t, adv, size, (b, at) in zip(trajectories, advantages, kept, place):
+        if size is None:
             dropped += 1
             continue
-        ids = np.asarray(t.token_ids, np.int32)
-        mask = np.asarray(t.loss_mask, np.float32)
-        logp = np.asarray(t.logprobs, np.float32)
-        if ids.size > L + 1:
-            ids, mask, logp = ids[: L + 1], mask[: L + 1], logp[: L + 1]
-            clipped += 1
-        n = ids.size - 1
+        clipped += size < len(t.token_ids)
+        n = size - 1
         if n < 1:
             continue
-        batch["input_ids"][b, :n] = ids[:-1]
-        batch["target_ids"][b, :n] = ids[1:]
-        batch["positions"][b, :n] = np.arange(n)
-        batch["segment_ids"][b, :n] = 1
-        keep = mask[1:]
+        ids = np.asarray(t.token_ids[:size], np.int32)
+        keep = np.asarray(t.loss_mask[1:size], np.float32)
         if mask_truncated and t.finish_reason in ("length", "token_limit"):
             keep = np.zeros_like(keep)
             masked += 1
-        batch["loss_mask"][b, :n] = keep
-        batch["engine_logp"][b, :n] = np.where(keep > 0, logp[1:], 0.0)
-        batch["advantages"][b] = adv
+        span = slice(at, at + n)
+        batch["input_ids"][b, span] = ids[:-1]
+        batch["target_ids"][b, span] = ids[1:]
+        batch["positions"][b, span] = np.arange(n)
+        batch["segment_ids"][b, span] = batch["segment_ids"][b].max() + 1 if pack else 1
+        batch["loss_mask"][b, span] = keep
+        batch["engine_logp"][b, span] = np.where(keep > 0, np.asarray(t.logprobs[1:size], np.float32), 0.0)
+        batch["advantages"][(b, span) if pack else b] = adv
         batch["row_valid"][b] = 1.0
     counts = {
         "trajectories": float(len(trajectories)),
@@ -105,6 +116,35 @@ def policy_batch(
         "loss_tokens": float(batch["loss_mask"].sum()),
     }
     return batch, counts
+
+
+def _packed_places(sizes: Sequence[int | None], length: int) -> list[tuple[int, int]]:
+    """(row, offset) of each trajectory of `sizes` tokens (None: it gets no row) in rows of
+    `length` tokens, first fit in decreasing size (deterministic: ties keep their order)."""
+    free: list[int] = []
+    place = [(0, 0)] * len(sizes)
+    for i in sorted((i for i, s in enumerate(sizes) if s is not None), key=lambda i: -sizes[i]):
+        n = max(sizes[i] - 1, 0)
+        row = next((r for r, f in enumerate(free) if f >= n), None)
+        if row is None:
+            row = len(free)
+            free.append(length)
+        place[i] = (row, length - free[row])
+        free[row] -= n
+    return place
+
+
+def packed_rows(needed: int, rows: int, multiple: int = 1) -> int:
+    """The row count of a packed batch that needs `needed` rows: the smallest of rows, 3/4, 1/2,
+    3/8, 1/4, ... of `rows` that holds them and is a multiple of `multiple` (the data-parallel
+    size x micro-batches, which divides `rows`), so a stage compiles about 2 log2(rows) shapes."""
+    best, size = rows, rows
+    while size >= 1:
+        for candidate in (size, size * 3 / 4):
+            if candidate == int(candidate) and int(candidate) % multiple == 0 and needed <= candidate < best:
+                best = int(candidate)
+        size /= 2
+    return best
 
 
 MIN_BUCKET = 128

@@ -40,6 +40,7 @@ import jax
 import numpy as np
 
 from ptrain.config import RunConfig
+from ptrain.config.choices import BATCH_AXES
 from ptrain.config.cost import cpu_cores
 from ptrain.config.grpo import staleness_bound
 from ptrain.envs.base import is_correct
@@ -96,6 +97,14 @@ class RolloutBatches:
         self.hour_usd = hour_usd
         """What one wall-clock hour of the machine costs (cost.machine_hour_usd)."""
         self.rows = self.cfg.prompts_per_step * self.cfg.group_size
+        mesh = stage.placed.mesh
+        # What a packed batch's row count must divide by: every mini-batch splits into grad_accum
+        # micro-batches over the data-parallel devices.
+        self.row_multiple = (
+            self.cfg.mini_batches
+            * stage.run.train.grad_accum
+            * int(np.prod([mesh.shape[a] for a in BATCH_AXES if a in mesh.shape]))
+        )
         self.queue: deque[dict] = deque()
         self._t_batch = self._t_last_take = time.time()
         self.step_metrics: deque[dict] = deque()
@@ -296,13 +305,21 @@ class RolloutBatches:
         adv, adv_aux = measured_advantages(rewards, masked, cfg=cfg, invalid_BxG=invalid)
         trajectories = [t for g in groups for t in g.trajectories]
         flat_adv = np.asarray(adv).reshape(-1)
-        seq_len = self.stage.run.train.seq_len
-        batch, counts = policy_batch(trajectories, flat_adv, rows=self.rows, seq_len=seq_len,
-                                     mask_truncated=cfg.overlong_filter)  # fmt: skip
-        if cfg.bucket_lengths:
-            longest = int(batch["segment_ids"].sum(axis=1).max(initial=0))
-            batch = trimmed(batch, bucket_length(longest, seq_len, self.stage.run.mesh.context))
+        run = self.stage.run
+        seq_len = run.train.seq_len
+        if cfg.pack_rows:
+            longest = max((min(len(t.token_ids) - 1, seq_len) for t in trajectories if not t.masked), default=0)
+            length = bucket_length(longest, seq_len, run.mesh.context) if cfg.bucket_lengths else seq_len
+            batch, counts = policy_batch(trajectories, flat_adv, rows=self.rows, seq_len=length, pack=True,
+                                         multiple=self.row_multiple, mask_truncated=cfg.overlong_filter)  # fmt: skip
+        else:
+            batch, counts = policy_batch(trajectories, flat_adv, rows=self.rows, seq_len=seq_len,
+                                         mask_truncated=cfg.overlong_filter)  # fmt: skip
+            if cfg.bucket_lengths:
+                longest = int(batch["segment_ids"].sum(axis=1).max(initial=0))
+                batch = trimmed(batch, bucket_length(longest, seq_len, run.mesh.context))
         counts["row_length"] = float(batch["input_ids"].shape[1])
+        counts["rows"] = float(batch["input_ids"].shape[0])
         if self.collector.audit is not None:
             self.collector.audit.write(
                 {"record": "train_batch", "version": self.version, "groups": [g.index for g in groups],
@@ -313,11 +330,12 @@ class RolloutBatches:
 
     def _split(self, batch: dict) -> None:
         cfg = self.cfg
-        size = self.rows // cfg.mini_batches
+        rows = len(batch["input_ids"])  # fewer than self.rows when packed
+        size = rows // cfg.mini_batches
         for epoch in range(cfg.epochs):
             # Seeded by the version the batch trains from, so a resumed stage splits alike.
             rng = np.random.default_rng([self.seed, self.version, epoch])
-            order = rng.permutation(self.rows) if cfg.mini_batches > 1 else np.arange(self.rows)
+            order = rng.permutation(rows) if cfg.mini_batches > 1 else np.arange(rows)
             for k in range(cfg.mini_batches):
                 idx = order[k * size : (k + 1) * size]
                 self.queue.append({key: v[idx] for key, v in batch.items()})
@@ -351,6 +369,7 @@ class RolloutBatches:
         m["staleness/max"] = float(max(self.version - g.version for g in groups))
         m["clipped_trajectories"] = counts["clipped_trajectories"]
         m["row_length"] = counts["row_length"]
+        m["rows"] = counts["rows"]
         for key, value in getattr(self.collector.tasks, "stats", {}).items():
             m[f"curriculum/{key}"] = float(value)
         target = getattr(self.collector.tasks, "current_target", lambda: None)()
@@ -462,7 +481,7 @@ def run_grpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dic
             vocab_chunk=run.train.vocab_chunk,
             aux_loss_coef=run.model.router_aux_loss_coef,
         ),  # fmt: skip
-        denominator=policy_denominator(cfg.aggregation),
+        denominator=policy_denominator(cfg.aggregation, packed=cfg.pack_rows),
         finalize=batches.finalize,
         tokens_in=lambda b: int(np.sum(b["segment_ids"] > 0)),
     )
