@@ -278,7 +278,7 @@ def check_processes(run: RunConfig, processes: int, where: str = "") -> None:
     jax.process_count() once JAX is up). What runs and what does not: docs/scaling.md."""
     if processes <= 1:
         return
-    stage, t, dpo = run.stage, run.train, run.algo.dpo
+    stage = run.stage
     many = f"with {processes} processes (distributed.num_processes)"
     if stage.kind in ("grpo", "eval"):
         _check(
@@ -289,22 +289,6 @@ def check_processes(run: RunConfig, processes: int, where: str = "") -> None:
             "(tools/launch_fleet.py starts one), or run the stage as one process",
             where,
         )
-    if stage.kind in ("dpo", "rm"):
-        for key in ("policy_pairs", "env_pairs"):
-            _check(
-                not getattr(dpo, key),
-                f"algo.dpo.{key}",
-                f"sampling the pairs uses the embedded engine, which runs inside one process; {many} set it to 0 "
-                "(pairs from the data), or build the pairs in a one-process run first",
-                where,
-            )
-    _check(
-        stage.kind not in ("sft", "dpo") or t.eval_generate == 0,
-        "train.eval_generate",
-        f"the exact-match evaluation samples with the embedded engine, which runs inside one process; {many} "
-        "pass train.eval_generate=0 (the held-out loss still runs) and evaluate the export in a one-process run",
-        where,
-    )
 
 
 def _grpo_stage_batch(run: RunConfig, where: str) -> None:

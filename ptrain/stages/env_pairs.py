@@ -34,6 +34,7 @@ from typing import Any
 from ptrain.config import RunConfig
 from ptrain.envs.base import is_correct
 from ptrain.envs.demonstrations import episode_messages, prompt_messages
+from ptrain.parallel.multihost import on_primary
 from ptrain.stages.env_metrics import calls_a_tool, declares_tools
 from ptrain.stages.policy_pairs import save_pairs, saved_pairs
 
@@ -134,12 +135,9 @@ def env_pairs_data(run: RunConfig, stage_dir: str, policy, data_cfg, tokenizer):
     """(training data config, held-out data config or None) pointing at the stage's
     environment pairs; sampled now with the starting weights, or read back on resume.
     policy() gives (placed, params, model_state) to sample with; it is called only when the
-    pairs are not on disk already."""
-    from ptrain.config.seeds import component_seed
-    from ptrain.envs.mixture import EnvMixture, env_task_seed
-    from ptrain.envs.registry import close_envs, make_env
-    from ptrain.rollout.protocol import SamplingParams
-    from ptrain.stages.heldout import eval_engine
+    pairs are not on disk already. As several JAX processes, process 0 samples and writes them,
+    and every process reads them."""
+    from ptrain.stages.heldout import engine_weights
 
     settings = _settings(run)
     path, eval_path, meta_path = (os.path.join(stage_dir, f) for f in (PAIRS_FILE, EVAL_PAIRS_FILE, META_FILE))
@@ -157,12 +155,26 @@ def env_pairs_data(run: RunConfig, stage_dir: str, policy, data_cfg, tokenizer):
 
     t0 = time.time()
     placed, params, model_state = policy()
+    weights = engine_weights(placed.state.replace(params=params, model_state=model_state))
+    on_primary(lambda: _sample_and_save(run, placed, weights, tokenizer, settings, (path, eval_path, meta_path), t0),
+               "sampling the environment pairs", keep=(ValueError,))  # fmt: skip
+    return configs()
+
+
+def _sample_and_save(run, placed, weights, tokenizer, settings, paths, t0: float) -> None:
+    from ptrain.config.seeds import component_seed
+    from ptrain.envs.mixture import EnvMixture, env_task_seed
+    from ptrain.envs.registry import close_envs, make_env
+    from ptrain.rollout.protocol import SamplingParams
+    from ptrain.stages.heldout import eval_engine
+
+    path, eval_path, meta_path = paths
+    n_eval = settings["eval_tasks"]
     configs_ = [run.envs[n] for n in settings["envs"]]
     envs = {e.env_name: make_env(e, tokenizer=tokenizer, sandbox=run.sandbox) for e in configs_}
     seed = component_seed(run, "train.seed")
-    state = placed.state.replace(params=params, model_state=model_state)
-    max_len = placed.model_def.bind(params, model_state).cfg.max_seq_len
-    engine = eval_engine(run, placed, state, longest_prompt=max_len, max_new_tokens=0)
+    max_len = placed.model_def.bind(*weights).cfg.max_seq_len
+    engine = eval_engine(run, placed, weights, longest_prompt=max_len, max_new_tokens=0)
     sampling = SamplingParams(max_new_tokens=settings["max_new_tokens"], temperature=settings["temperature"],
                               n=settings["samples"])  # fmt: skip
     try:
@@ -198,4 +210,3 @@ def env_pairs_data(run: RunConfig, stage_dir: str, policy, data_cfg, tokenizer):
         f"{counts['pairs']} pairs ({cats}; {counts['with_demonstration']:.0f} with a demonstration) -> {path}",
         flush=True,
     )
-    return configs()

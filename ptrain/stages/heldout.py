@@ -1,5 +1,6 @@
 """Held-out evaluation: loss over the eval split, exact-match accuracy of greedy answers
-(sampled by the rollout engine, ptrain.rollout.LocalEngine)."""
+(sampled by the rollout engine, ptrain.rollout.LocalEngine; as several JAX processes, by
+process 0 alone, and every process gets its metrics)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from ptrain.data.tasks import check_answer
 from ptrain.data.tokenizer import stop_token_ids
 from ptrain.losses import sft_loss
 from ptrain.parallel import batch_sharding
-from ptrain.parallel.multihost import put_global_batch
+from ptrain.parallel.multihost import host_array, on_primary, put_global_batch
 from ptrain.train.state import TrainState
 
 
@@ -62,20 +63,34 @@ class Completion:
     """Their log-probs under the tempered full-vocabulary softmax (ptrain.rollout.protocol)."""
 
 
-def eval_engine(run: RunConfig, placed, state, *, longest_prompt: int, max_new_tokens: int, rows: int = 64):
-    """A LocalEngine for a stage's evaluations and sampling, on the stage's mesh, with the
-    weights of `state` (params and model state); the caller swaps newer weights in."""
+def engine_weights(state: TrainState):
+    """(params, model_state) for `eval_engine`: the state's weights, adapters merged.
+
+    As several JAX processes the embedded engine runs in process 0 alone, on one of its devices
+    (sampling holds no collective that the processes would have to reach in step), so the
+    weights are gathered to every host here: a collective that every process reaches, in the
+    same order, before process 0 samples (`on_primary`)."""
+    params, model_state = state.merged_params(), state.model_state
+    if jax.process_count() > 1:
+        params, model_state = jax.tree.map(host_array, (params, model_state))
+    return params, model_state
+
+
+def eval_engine(run: RunConfig, placed, weights, *, longest_prompt: int, max_new_tokens: int, rows: int = 64):
+    """A LocalEngine for a stage's evaluations and sampling with `weights` (`engine_weights`),
+    on the stage's mesh (as several processes: on one device of process 0, the only one that
+    calls this); the caller swaps newer weights in."""
     from ptrain.rollout.local import LocalEngine
     from ptrain.stages.setup import rules_of
 
-    model = placed.model_def.bind(state.merged_params(), state.model_state)
+    model = placed.model_def.bind(*weights)
     max_len = model.cfg.max_seq_len
     context = min(max_len, longest_prompt + max_new_tokens + 1)
     return LocalEngine(
         model,
         max_running_requests=rows,
         context_length=max(context, 2),
-        mesh=placed.mesh,
+        mesh=placed.mesh if jax.process_count() == 1 else None,
         rules=tuple(rules_of(run)),
         decode_steps=8,
     )
@@ -139,13 +154,18 @@ class ExactMatchEvaluator:
         self.engine = None
 
     def __call__(self, state: TrainState) -> dict:
+        weights = engine_weights(state)
+        return on_primary(lambda: self._evaluate(weights), "the exact-match evaluation")
+
+    def _evaluate(self, weights) -> dict:
         t = self.run.train
         if self.engine is None:
             longest = max(map(len, self.ids), default=1)
             self.engine = eval_engine(
-                self.run, self.placed, state, longest_prompt=longest, max_new_tokens=t.eval_max_new_tokens
+                self.run, self.placed, weights, longest_prompt=longest, max_new_tokens=t.eval_max_new_tokens
             )
-        self.engine.update_weights(state.merged_params(), state.model_state or None, mode="abort")
+        else:
+            self.engine.update_weights(weights[0], weights[1] or None, mode="abort")
         outs = [c[0] for c in complete(self.engine, self.ids, self.tokenizer, max_new_tokens=t.eval_max_new_tokens)]
         correct = sum(bool(check_answer(p.task, o.text)) for p, o in zip(self.prompts, outs))
         return {

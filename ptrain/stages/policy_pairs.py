@@ -35,7 +35,8 @@ from ptrain.data.prompts import make_eval_prompts
 from ptrain.data.report import BadRowReport
 from ptrain.data.sources import open_split
 from ptrain.data.tasks import check_answer, write_jsonl
-from ptrain.stages.heldout import complete, eval_engine
+from ptrain.parallel.multihost import on_primary
+from ptrain.stages.heldout import complete, engine_weights, eval_engine
 
 PAIRS_FILE = "policy_pairs.jsonl"
 EVAL_PAIRS_FILE = "policy_pairs_eval.jsonl"
@@ -93,13 +94,13 @@ def first_wrong_step(chosen: str, rejected: str) -> str:
 
 
 def sample_completions(
-    run: RunConfig, placed, state, prompts, tokenizer, *, samples: int, temperature: float, max_new_tokens: int,
+    run: RunConfig, placed, weights, prompts, tokenizer, *, samples: int, temperature: float, max_new_tokens: int,
     seed: int,
 ) -> list[list[tuple[str, bool]]]:  # fmt: skip
     """`samples` (decoded completion, ended by a stop token) per prompt, from the rollout
-    engine with the weights of `state`; a prompt's samples share one prefill."""
+    engine with `weights` (`engine_weights`); a prompt's samples share one prefill."""
     ids = [p.prompt_ids.tolist() for p in prompts]
-    engine = eval_engine(run, placed, state, longest_prompt=max(map(len, ids)), max_new_tokens=max_new_tokens)
+    engine = eval_engine(run, placed, weights, longest_prompt=max(map(len, ids)), max_new_tokens=max_new_tokens)
     try:
         outs = complete(engine, ids, tokenizer, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                         samples=samples)  # fmt: skip
@@ -152,7 +153,7 @@ def build_pairs(
     return pairs, counts
 
 
-def _sample_pairs(run, placed, state, data_cfg, tokenizer, settings, split: str, limit: int):
+def _sample_pairs(run, placed, weights, data_cfg, tokenizer, settings, split: str, limit: int):
     """(pairs, counts, bad-row report) from the first `limit` prompts of a split."""
     report = BadRowReport(
         source=f"{(data_cfg.train_path if split == 'train' else data_cfg.eval_path) or split} (policy_pairs prompts)",
@@ -169,7 +170,7 @@ def _sample_pairs(run, placed, state, data_cfg, tokenizer, settings, split: str,
         )
     source = open_split(data_cfg, split)
     completions = sample_completions(
-        run, placed, state, prompts, tokenizer, samples=settings["samples"], temperature=settings["temperature"],
+        run, placed, weights, prompts, tokenizer, samples=settings["samples"], temperature=settings["temperature"],
         max_new_tokens=settings["max_new_tokens"], seed=settings["seed"] + (0 if split == "train" else 1_000_003),
     )  # fmt: skip
     pairs, counts = build_pairs(
@@ -184,7 +185,8 @@ def policy_pairs_data(run: RunConfig, stage_dir: str, placed, params, model_stat
     on-policy pairs of the first `policy_pairs` training prompts and the held-out one at pairs
     sampled and graded the same way from the first `policy_eval_pairs` held-out prompts, so
     the held-out preference metrics measure what training optimises. Sampled now, or read
-    back on resume."""
+    back on resume. As several JAX processes, process 0 samples and writes them, and every
+    process reads them."""
     settings = _settings(run)
     path, meta_path = os.path.join(stage_dir, PAIRS_FILE), os.path.join(stage_dir, META_FILE)
     eval_path = os.path.join(stage_dir, EVAL_PAIRS_FILE)
@@ -201,8 +203,16 @@ def policy_pairs_data(run: RunConfig, stage_dir: str, placed, params, model_stat
         return configs()
 
     t0 = time.time()
-    state = placed.state.replace(params=params, model_state=model_state)
-    pairs, counts = _sample_pairs(run, placed, state, data_cfg, tokenizer, settings, "train", settings["prompts"])
+    weights = engine_weights(placed.state.replace(params=params, model_state=model_state))
+    paths = (path, eval_path, meta_path)
+    on_primary(lambda: _sample_and_save(run, placed, weights, data_cfg, tokenizer, settings, n_eval, paths, t0),
+               "sampling the on-policy pairs", keep=(ValueError,))  # fmt: skip
+    return configs()
+
+
+def _sample_and_save(run, placed, weights, data_cfg, tokenizer, settings, n_eval: int, paths, t0: float) -> None:
+    path, eval_path, meta_path = paths
+    pairs, counts = _sample_pairs(run, placed, weights, data_cfg, tokenizer, settings, "train", settings["prompts"])
     if not pairs:
         raise ValueError(
             f"the starting policy answered all {counts['prompts']} sampled prompts correctly (or never "
@@ -212,7 +222,7 @@ def policy_pairs_data(run: RunConfig, stage_dir: str, placed, params, model_stat
     meta = {"settings": settings, "counts": counts}
     held_pairs: list[dict] = []
     if n_eval:
-        held_pairs, held_counts = _sample_pairs(run, placed, state, data_cfg, tokenizer, settings, "eval", n_eval)
+        held_pairs, held_counts = _sample_pairs(run, placed, weights, data_cfg, tokenizer, settings, "eval", n_eval)
         if not held_pairs:
             raise ValueError(
                 f"the starting policy answered all {held_counts['prompts']} held-out prompts correctly, so there "
@@ -229,4 +239,3 @@ def policy_pairs_data(run: RunConfig, stage_dir: str, placed, params, model_stat
         f"answer; {counts['prompts_all_correct']} prompts always right) -> {path}{held}",
         flush=True,
     )
-    return configs()

@@ -194,10 +194,8 @@ FLEET = ["train.eval_generate=0", "rollout=sglang", "rollout.urls=[http://h:1]",
 @pytest.mark.parametrize(
     "recipe, overrides, key",
     [
-        ("sft_arithmetic", [], "train.eval_generate"),  # the exact-match evaluation samples in one process
         ("sft_grpo_arithmetic", ["train.eval_generate=0", STAGES], "rollout.kind"),  # the embedded engine
         ("eval", [], "rollout.kind"),
-        ("sft_dpo_arithmetic", ["train.eval_generate=0"], "algo.dpo.policy_pairs"),
     ],
 )
 def test_what_does_not_run_as_several_processes_yet_is_refused(monkeypatch, recipe, overrides, key):
@@ -224,9 +222,13 @@ def test_grpo_from_a_fleet_composes_as_several_processes(monkeypatch):
     assert [s.kind for s in run.stages] == ["sft", "grpo", "eval"]
 
 
-def test_sft_and_dpo_from_data_compose_as_several_processes(monkeypatch):
+def test_sft_and_dpo_compose_as_several_processes(monkeypatch):
+    """From data, or sampling with the embedded engine in process 0 (on-policy pairs, the
+    exact-match evaluation)."""
     for var, value in RANKS.items():
         monkeypatch.setenv(var, value)
     run = compose("sft_dpo_arithmetic", ["train.eval_generate=0", "algo.dpo.policy_pairs=0"])
     assert [s.kind for s in run.stages] == ["sft", "dpo"]
+    run = compose("sft_dpo_arithmetic", [])
+    assert run.train.eval_generate > 0 and run.algo.dpo.policy_pairs > 0
     assert run.distributed.num_processes is None  # the config keeps what was given; the plan reads the rest

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from ptrain.models import load_hf
+from ptrain.stages.policy_pairs import EVAL_PAIRS_FILE, PAIRS_FILE
 from ptrain.train.state import split_model
 
 pytestmark = pytest.mark.multiprocess
@@ -42,13 +43,17 @@ TINY = [
     "train.global_batch_size=8",
     "train.seq_len=128",
     "train.eval_batches=1",
-    "train.eval_generate=0",  # the exact-match evaluation samples in one process (refused with two)
+    "train.eval_generate=4",  # sampled by process 0, whose metrics every process gets
     "logging.console=false",
     "logging.tensorboard=false",
     "checkpoint.async_save=false",
 ]
 STEPS = ["train.steps=4", "train.eval_every=2", "checkpoint.every_steps=2"]
-SFT_DPO = ["stages=[{name: sft, kind: sft}, {name: dpo, kind: dpo, data: {format: preference}}]"]
+# DPO on pairs of the SFT policy's own samples, graded by the verifier (sampled by process 0).
+SFT_DPO = [
+    "stages=[{name: sft, kind: sft}, {name: dpo, kind: dpo, data: {format: preference}, algo: {dpo: {policy_pairs: 8,"
+    " policy_samples: 2, policy_temperature: 1.0, policy_max_new_tokens: 16, policy_eval_pairs: 4}}}]"
+]
 
 
 def env_with_devices(n: int) -> dict:
@@ -89,7 +94,8 @@ def metric(stage_dir, key: str) -> dict[int, float]:
 def assert_same_run(got_dir, want_dir, stages=("sft", "dpo"), keys=None):
     for stage in stages:
         got, want = got_dir / "stages" / stage, want_dir / "stages" / stage
-        for key in keys or ("train/loss", "train/grad_norm", "eval/loss" if stage == "sft" else "eval/margin"):
+        for key in keys or ("train/loss", "train/grad_norm", "eval/loss" if stage == "sft" else "eval/margin",
+                            "eval/exact_match"):  # fmt: skip
             g, w = metric(got, key), metric(want, key)
             assert sorted(g) == sorted(w) and len(w) >= 2, (stage, key, g, w)
             assert [g[s] for s in sorted(g)] == pytest.approx([w[s] for s in sorted(w)], rel=1e-5, abs=1e-5), (
@@ -145,6 +151,9 @@ def test_two_processes_train_sft_and_dpo_to_the_losses_of_one(one_process, two_p
             "ocdbt.process_0",
             "ocdbt.process_1",
         }
+    # process 0 sampled the on-policy pairs, which both processes trained on: those of one process
+    for name in (PAIRS_FILE, EVAL_PAIRS_FILE):
+        assert (run_dir / "stages" / "dpo" / name).read_text() == (one_process / "stages" / "dpo" / name).read_text()
     # the exports hold the same weights
     got = split_model(load_hf(str(run_dir / "stages" / "dpo" / "export")))[1]
     want = split_model(load_hf(str(one_process / "stages" / "dpo" / "export")))[1]
