@@ -51,13 +51,12 @@ def _check_every_stage_fits(run: RunConfig) -> None:
     trains: a later stage's mistake must not surface only after the earlier ones ran."""
     import jax
 
-    from ptrain.config.run import check_mesh_fits, check_processes
+    from ptrain.config.run import check_mesh_fits
 
     for stage in run.stages:
         try:
             cfg = stage_config(run, stage)
             check_mesh_fits(cfg, jax.device_count())
-            check_processes(cfg, jax.process_count())  # a launcher's count, known only now
         except ConfigError as e:
             raise ConfigError(f"stage '{stage.name}': {e}") from None
 

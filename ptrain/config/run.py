@@ -252,10 +252,9 @@ def stage_config(run: RunConfig, stage: StageConfig) -> RunConfig:
         f"stage '{stage.name}': ",
     )
     try:
-        processes = run.distributed.resolve().num_processes
+        run.distributed.resolve()
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    check_processes(out, processes or 1, where=f"stage '{stage.name}': ")
     _check(
         not (stage.kind == "rm" and out.model.lora.enabled),
         "model.lora.rank",
@@ -270,25 +269,6 @@ def stage_config(run: RunConfig, stage: StageConfig) -> RunConfig:
             f"got format '{out.data.format}'; set data: {{format: {need}}} in the stage"
         )
     return out
-
-
-def check_processes(run: RunConfig, processes: int, where: str = "") -> None:
-    """Refuse, before any compute, what a stage cannot do yet as one of several JAX processes.
-    `run` is a stage's own config; `processes` the job's process count (the config's, or
-    jax.process_count() once JAX is up). What runs and what does not: docs/scaling.md."""
-    if processes <= 1:
-        return
-    stage = run.stage
-    many = f"with {processes} processes (distributed.num_processes)"
-    if stage.kind in ("grpo", "eval"):
-        _check(
-            run.rollout.kind == "sglang",
-            "rollout.kind",
-            f"a {stage.kind} stage {many} samples from a fleet: rollout=local's embedded engine runs inside one "
-            "process; pass rollout=sglang with the fleet's rollout.router_url or rollout.urls "
-            "(tools/launch_fleet.py starts one), or run the stage as one process",
-            where,
-        )
 
 
 def _grpo_stage_batch(run: RunConfig, where: str) -> None:

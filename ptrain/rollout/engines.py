@@ -3,7 +3,8 @@
     engine = make_engine(run, model_def, params, model_state, mesh=mesh, tokenizer=tok, seed=s,
                          stage_dir=stage_dir)
 
-local: `LocalEngine` on the stage's own weights, in process. sglang: `FleetEngine` on the
+local: `LocalEngine` on the stage's own weights, in process (as several JAX processes, a
+`PrimaryEngine`: a LocalEngine in process 0 alone, on one of its devices). sglang: `FleetEngine` on the
 fleet named by rollout.urls / rollout.router_url, exporting weight versions into
 `<stage_dir>/weights`, or with rollout.weight_dir set into a folder of the stage's own under
 it (weight_sync.run_weight_dir), so runs may share that root. Both speak the rollout
@@ -13,6 +14,11 @@ protocol; the stage syncs either to its weights with `update_weights` before sam
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+
+import jax
+
+from ptrain.parallel.multihost import host_array, is_primary
 
 
 def make_engine(run, model_def, params, model_state, *, mesh, tokenizer, seed: int, stage_dir: str | None = None,
@@ -38,16 +44,17 @@ def make_engine(run, model_def, params, model_state, *, mesh, tokenizer, seed: i
                 f"config key 'rollout.context_length': {context} exceeds the model's max_seq_len={limit}; "
                 f"pass at most {limit}, or null (train.seq_len + 1, capped at {limit})"
             )
-        return LocalEngine(
-            model,
+        options = dict(
             max_running_requests=ro.max_running_requests,
             context_length=context,
-            mesh=mesh,
             eos_token_ids=eos,
             decode_steps=ro.decode_steps,
             seed=seed,
             **({} if lora is None else dict(max_loras=1, max_lora_rank=lora.rank, lora_targets=lora.targets)),
         )
+        if jax.process_count() > 1:
+            return PrimaryEngine(lambda p, s: LocalEngine(model_def.bind(p, s), **options), params, model_state)
+        return LocalEngine(model, mesh=mesh, **options)
     if ro.kind == "sglang":
         from ptrain.rollout.fleet import FleetEngine
 
@@ -70,3 +77,61 @@ def fleet_weight_dir(run, stage_dir: str | None) -> str:
         return os.path.join(owner, "weights")
     name = f"{run.name}-{os.path.basename(os.path.normpath(stage_dir))}" if stage_dir else run.name
     return run_weight_dir(run.rollout.weight_dir, owner, name)
+
+
+def _on_host(tree):
+    """A pytree of global arrays gathered to this host (a collective for sharded ones)."""
+    return jax.tree.map(host_array, tree)
+
+
+class PrimaryEngine:
+    """The embedded engine of a job of several JAX processes: a LocalEngine in process 0 alone,
+    on one of its devices, since sampling holds no collective the processes could reach in
+    step. Process 0 samples (the stages call it through `on_primary`). Weight updates are
+    collectives: every process calls them in the same order, each gathers the (sharded) weights
+    or adapters to its host, and process 0 installs them. `default_lora` is known everywhere,
+    as the stage asks it on every process; the rest of the engine exists in process 0 only."""
+
+    def __init__(self, make: Callable, params, model_state):
+        params, model_state = _on_host((params, model_state))
+        self._engine = make(params, model_state) if is_primary() else None
+        self._default_lora: str | None = None
+
+    @property
+    def default_lora(self) -> str | None:
+        return self._default_lora
+
+    def set_default_lora(self, name: str | None) -> None:
+        if self._engine is not None:
+            self._engine.set_default_lora(name)
+        self._default_lora = name
+
+    def update_weights(self, params, model_state=None, *, weight_version: str | None = None, mode: str = "drain"):
+        params, model_state = _on_host((params, model_state))
+        if self._engine is None:
+            return weight_version
+        return self._engine.update_weights(params, model_state, weight_version=weight_version, mode=mode)
+
+    def load_lora(self, name: str, path: str | None = None, *, adapters=None, spec=None, replace: bool = False):
+        adapters = _on_host(adapters)
+        if self._engine is not None:
+            return self._engine.load_lora(name, path, adapters=adapters, spec=spec, replace=replace)
+
+    def update_lora(self, name: str, adapters, spec, *, weight_version: str | None = None, mode: str = "drain"):
+        adapters = _on_host(adapters)
+        if self._engine is None:
+            return weight_version
+        return self._engine.update_lora(name, adapters, spec, weight_version=weight_version, mode=mode)
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+
+    def __getattr__(self, name: str):
+        engine = self.__dict__.get("_engine")
+        if engine is None:
+            raise AttributeError(
+                f"PrimaryEngine.{name}: the embedded engine of a job of several processes runs in process 0 alone; "
+                "sample through ptrain.parallel.multihost.on_primary"
+            )
+        return getattr(engine, name)

@@ -191,22 +191,13 @@ STAGES = "stages=[{name: sft, kind: sft}, {name: grpo, kind: grpo}]"
 FLEET = ["train.eval_generate=0", "rollout=sglang", "rollout.urls=[http://h:1]", STAGES]
 
 
-@pytest.mark.parametrize(
-    "recipe, overrides, key",
-    [
-        ("sft_grpo_arithmetic", ["train.eval_generate=0", STAGES], "rollout.kind"),  # the embedded engine
-        ("eval", [], "rollout.kind"),
-    ],
-)
-def test_what_does_not_run_as_several_processes_yet_is_refused(monkeypatch, recipe, overrides, key):
+def test_every_stage_composes_as_several_processes(monkeypatch):
+    """The embedded engine too: it samples in process 0 (ptrain.rollout.engines.PrimaryEngine)."""
     for var, value in RANKS.items():
         monkeypatch.setenv(var, value)
-    with pytest.raises(ConfigError) as e:
-        compose(recipe, overrides)
-    assert f"config key '{key}'" in str(e.value) and "2 processes" in str(e.value)
-    if key == "rollout.kind":
-        assert "rollout=sglang" in str(e.value) and "one process" in str(e.value)
-    compose(recipe, overrides + ["distributed.num_processes=1"])  # the same as one process is fine
+    for recipe in ("sft_arithmetic", "sft_grpo_arithmetic", "eval", "sft_dpo_arithmetic", "rlhf_rm_arithmetic"):
+        run = compose(recipe, [])
+        assert run.rollout.kind == "local", recipe
 
 
 def test_grpo_from_a_fleet_composes_as_several_processes(monkeypatch):

@@ -74,9 +74,9 @@ def command(processes: int, args: list[str]) -> tuple[list[str], dict]:
     return [*launch, "--", *ptrain], env_with_devices(8)
 
 
-def run(processes: int, args: list[str], check: bool = True) -> subprocess.CompletedProcess:
-    cmd, env = command(processes, args)
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+def run(processes: int, args: list[str], check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+    cmd, base = command(processes, args)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**base, **(env or {})})
     if check and out.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}")
     return out
