@@ -42,6 +42,12 @@ class DPOAlgoConfig:
     precompute_reference: bool = False
     """Compute reference log-probs in one pass over the data before training (saves the
     reference params' memory) instead of inside every step."""
+    bucket_lengths: bool = True
+    """Cut each preference batch (training, the reference pass and the held-out metrics; a
+    reward-model stage's too) to the shortest of train.seq_len, seq_len/2, ... (at least 128
+    tokens, a multiple of mesh.context) that holds its longest side, so short pairs are not
+    trained at the full context's cost; a stage compiles one step per length it meets. false:
+    every batch at seq_len, one compile."""
     policy_pairs: int = 0
     """0: train on the data's own pairs. N > 0: before training, sample `policy_samples`
     completions from the stage's starting policy for each of the first N training prompts,

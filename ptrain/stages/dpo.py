@@ -17,6 +17,7 @@ import numpy as np
 
 from ptrain.config import RunConfig
 from ptrain.config.choices import REFERENCE_FREE_KINDS
+from ptrain.data.buckets import to_bucket
 from ptrain.data.preference import make_preference_iterator, make_preference_pass
 from ptrain.data.prompts import make_eval_prompts
 from ptrain.parallel import batch_sharding
@@ -39,14 +40,25 @@ def jit_pair_logps(model_def: ModelDef) -> PairLogps:
     return jax.jit(lambda params, model_state, batch: pair_logprobs(model_def, params, model_state, batch)[:2])
 
 
+def preference_cut(run: RunConfig) -> Callable[[dict], dict]:
+    """A preference batch cut to the bucket of its longest side (algo.dpo.bucket_lengths), or
+    left at train.seq_len."""
+    if not run.algo.dpo.bucket_lengths:
+        return lambda batch: batch
+    return lambda batch: to_bucket(batch, run.train.seq_len, run.mesh.context)
+
+
 def reference_logprobs(
-    pair_logps: PairLogps, mesh, params, model_state, data_cfg, tokenizer, *, batch_size: int, seq_len: int, split: str
-) -> tuple[np.ndarray, np.ndarray]:
-    """One in-order pass over a split: summed completion log-probs of (chosen, rejected) per pair."""
+    pair_logps: PairLogps, mesh, params, model_state, data_cfg, tokenizer, *, batch_size: int, seq_len: int, split: str,
+    cut: Callable[[dict], dict] = lambda batch: batch,
+) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """One in-order pass over a split: summed completion log-probs of (chosen, rejected) per pair
+    (each batch passed through `cut`, `preference_cut`)."""
     it = make_preference_pass(data_cfg, tokenizer, batch_size=batch_size, seq_len=seq_len, split=split)
     chosen = np.zeros(it.n_examples, np.float32)
     rejected = np.zeros(it.n_examples, np.float32)
     for batch in it:
+        batch = cut(batch)
         c, r = pair_logps(params, model_state, put_global_batch(batch, batch_sharding(mesh)))
         idx = batch["pair_index"]
         keep = idx >= 0
@@ -70,7 +82,7 @@ def preference_evaluator(
 ):
     """Held-out preference metrics: the policy's own preference accuracy (logp chosen >
     logp rejected), the implicit-reward accuracy and margin against the reference."""
-    t, beta = run.train, run.algo.dpo.beta
+    t, beta, cut = run.train, run.algo.dpo.beta, preference_cut(run)
 
     def evaluate(state) -> dict:
         it = make_preference_iterator(
@@ -80,6 +92,7 @@ def preference_evaluator(
         for i, batch in enumerate(it):
             if i >= t.eval_batches:
                 break
+            batch = cut(batch)
             c, r = (
                 host_array(x)
                 for x in pair_logps(
@@ -150,8 +163,9 @@ def run_dpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict
     print(f"ptrain: {train_iter.n_examples} preference pairs; {train_iter.report.summary()}", flush=True)
 
     pair_logps = jit_pair_logps(placed.model_def)
-    passes = dict(batch_size=t.global_batch_size, seq_len=t.seq_len)
-    batches = IteratorBatches(train_iter)
+    cut = preference_cut(run)
+    passes = dict(batch_size=t.global_batch_size, seq_len=t.seq_len, cut=cut)
+    batches = IteratorBatches(train_iter, transform=cut)
     if needs_ref and algo.precompute_reference:
         ref = reference_logprobs(
             pair_logps,
@@ -163,7 +177,8 @@ def run_dpo_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict
             split="train",
             **passes,
         )
-        batches = IteratorBatches(train_iter, transform=add_reference(*ref))
+        with_ref = add_reference(*ref)
+        batches = IteratorBatches(train_iter, transform=lambda batch: cut(with_ref(batch)))
     evaluators = []
     if pref_eval_cfg.eval_path is not None and t.eval_batches > 0:
         ref_eval = reference_logprobs(

@@ -29,6 +29,7 @@ from ptrain.config.seeds import component_seed
 from ptrain.data.preference import make_preference_iterator
 from ptrain.parallel import batch_sharding
 from ptrain.parallel.multihost import host_array, put_global_batch
+from ptrain.stages.dpo import preference_cut
 from ptrain.stages.loop import Algorithm, IteratorBatches, train_evaluate_export
 from ptrain.stages.setup import (
     Stage,
@@ -91,7 +92,7 @@ def pairwise_evaluator(run: RunConfig, scores, mesh, data_cfg, tokenizer):
     """Held-out metrics over the first train.eval_batches batches of the eval split: pairwise
     accuracy (r(chosen) > r(rejected)), mean margin, the Bradley-Terry loss (with the
     stage's margin and centring), and the mean and spread of the scores."""
-    t, cfg = run.train, run.algo.rm
+    t, cfg, cut = run.train, run.algo.rm, preference_cut(run)
 
     def evaluate(state) -> dict:
         it = make_preference_iterator(
@@ -101,6 +102,7 @@ def pairwise_evaluator(run: RunConfig, scores, mesh, data_cfg, tokenizer):
         for i, batch in enumerate(it):
             if i >= t.eval_batches:
                 break
+            batch = cut(batch)
             c, r = scores(state.params, state.model_state, put_global_batch(batch, batch_sharding(mesh)))
             keep = batch["pair_index"] >= 0
             chosen.append(host_array(c)[keep])  # rows on other processes' devices are gathered
@@ -182,5 +184,9 @@ def run_rm_stage(run: RunConfig, stage_dir: str, init_path: str | None) -> dict:
         evaluators.append(pairwise_evaluator(run, scores, placed.mesh, eval_cfg, tokenizer))
     algorithm = rm_algorithm(run, placed.model_def)
     return train_evaluate_export(
-        stage, algorithm, IteratorBatches(train_iter), report=train_iter.report, evaluators=evaluators
+        stage,
+        algorithm,
+        IteratorBatches(train_iter, transform=preference_cut(run)),
+        report=train_iter.report,
+        evaluators=evaluators,
     )

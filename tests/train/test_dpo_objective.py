@@ -2,6 +2,7 @@
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 from ptrain.config import DataConfig, DPOAlgoConfig, GeneratedTaskConfig, OptimConfig
@@ -77,3 +78,32 @@ def test_moe_policy_gets_the_balance_term_and_its_load(setup):
     with_lb, m = make_dpo_objective(model_def, cfg, aux_loss_coef=0.5)(params, state, batch, dpo_denominator(batch))
     assert float(with_lb - plain) == pytest.approx(0.5 * float(m["moe_lb_loss"]), rel=1e-5)
     assert m["expert_load"].shape == (1, 4)
+
+
+def test_a_batch_cut_to_its_bucket_has_the_loss_and_gradient_of_the_full_length_one(tmp_path):
+    """Preference rows at seq_len 512 whose sides are at most about 100 tokens train at 128
+    (ptrain.data.buckets): the cut loses only padding, so the loss and gradient agree."""
+    from ptrain.data.buckets import longest_row, to_bucket, trimmed
+
+    tok = build_tokenizer(str(tmp_path / "tok"))
+    cfg = DataConfig(format="preference", generated=GeneratedTaskConfig(n_train=16, n_eval=4))
+    full = next(iter(make_preference_pass(cfg, tok, batch_size=8, seq_len=512)))
+    longest = longest_row(full)
+    assert 0 < longest <= 128
+    assert longest == max(int((full[f"{s}_segment_ids"] > 0).sum(axis=1).max()) for s in ("chosen", "rejected"))
+    short = to_bucket(full, 512)
+    assert short["chosen_input_ids"].shape == short["rejected_loss_mask"].shape == (8, 128)
+    assert short["pair_index"].shape == full["pair_index"].shape
+    with pytest.raises(ValueError, match="past"):
+        trimmed(full, longest - 1)
+    model_def, params, rest = split_model(tiny_model(vocab_size=len(tok), max_seq_len=512))
+    tx, _ = make_optimizer(OptimConfig(), 10)
+    state = init_train_state(params, tx, seed=0, model_state=rest, ref_params=jax.tree.map(lambda x: x * 0.9, params))
+    obj = make_dpo_objective(model_def, DPOAlgoConfig(kind="sigmoid", beta=0.5))
+    out = [jax.value_and_grad(lambda p, b=b: obj(p, state, b, dpo_denominator(b)), has_aux=True)(params)
+           for b in (full, short)]  # fmt: skip
+    ((l_full, _), g_full), ((l_short, _), g_short) = out
+    assert float(l_short) == pytest.approx(float(l_full), rel=1e-5)
+    # float32 sums over 512 and over 128 positions: equal up to rounding, in norm
+    diff = np.sqrt(sum(float(np.sum((a - b) ** 2)) for a, b in zip(jax.tree.leaves(g_full), jax.tree.leaves(g_short))))
+    assert diff <= 1e-5 * float(optax.global_norm(g_full))

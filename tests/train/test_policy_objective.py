@@ -9,9 +9,10 @@ import pytest
 
 from ptrain.config import OptimConfig
 from ptrain.config.grpo import GRPOAlgoConfig
+from ptrain.data.buckets import MIN_BUCKET, bucket_length, trimmed
 from ptrain.envs.base import Task, Trajectory
 from ptrain.losses.policy import policy_loss
-from ptrain.stages.grpo.batch import MIN_BUCKET, bucket_length, packed_rows, policy_batch, trimmed
+from ptrain.stages.grpo.batch import packed_rows, policy_batch
 from ptrain.train.optim import make_optimizer
 from ptrain.train.policy_objective import make_policy_objective, policy_denominator, policy_logprobs
 from ptrain.train.state import init_train_state, split_model

@@ -1,7 +1,7 @@
 """Scored trajectories -> the batch of a policy-gradient step.
 
-One trajectory per row, `[B, L]` with L = train.seq_len (or, `bucket_length`, the shortest
-halving of it that holds the longest row, so a stage compiles a few step shapes):
+One trajectory per row, `[B, L]` with L = train.seq_len (or the shortest halving of it that
+holds the longest row, ptrain.data.buckets, so a stage compiles a few step shapes):
 
   input_ids    int32   token_ids[:-1], padded with 0
   target_ids   int32   token_ids[1:]
@@ -145,29 +145,6 @@ def packed_rows(needed: int, rows: int, multiple: int = 1) -> int:
                 best = int(candidate)
         size /= 2
     return best
-
-
-MIN_BUCKET = 128
-"""Shortest row length `bucket_length` trains at (tokens)."""
-
-
-def bucket_length(longest: int, seq_len: int, multiple: int = 1) -> int:
-    """The row length for a batch whose longest row holds `longest` tokens: the shortest of
-    seq_len, seq_len/2, seq_len/4, ... that holds it, is at least MIN_BUCKET and is a multiple
-    of `multiple` (mesh.context: rows split over the context axis)."""
-    length = seq_len
-    while length % 2 == 0 and length // 2 >= max(longest, MIN_BUCKET) and (length // 2) % multiple == 0:
-        length //= 2
-    return length
-
-
-def trimmed(batch: dict[str, np.ndarray], length: int) -> dict[str, np.ndarray]:
-    """`batch` with its per-token [B, L] arrays cut to `length` tokens (what is cut must be
-    padding); per-row arrays stay as they are."""
-    if int(batch["segment_ids"][:, length:].sum()):
-        raise ValueError(f"rows hold tokens past {length}; cut at the longest row or later")
-    full = batch["input_ids"].shape
-    return {k: v[:, :length] if v.shape[:2] == full else v for k, v in batch.items()}
 
 
 def measured_advantages(

@@ -43,10 +43,11 @@ from ptrain.config import RunConfig
 from ptrain.config.choices import BATCH_AXES
 from ptrain.config.cost import cpu_cores
 from ptrain.config.grpo import staleness_bound
+from ptrain.data.buckets import bucket_length, to_bucket
 from ptrain.envs.base import is_correct
 from ptrain.parallel.multihost import broadcast_from_primary, is_primary, on_primary
 from ptrain.rollout.protocol import EngineUnavailable, SamplingParams
-from ptrain.stages.grpo.batch import bucket_length, measured_advantages, policy_batch, trimmed
+from ptrain.stages.grpo.batch import measured_advantages, policy_batch
 from ptrain.stages.grpo.collector import Group, RolloutCollector
 from ptrain.stages.loop import Algorithm, train_evaluate_export
 from ptrain.stages.setup import Stage, setup_stage, tokenizer_for
@@ -316,8 +317,7 @@ class RolloutBatches:
             batch, counts = policy_batch(trajectories, flat_adv, rows=self.rows, seq_len=seq_len,
                                          mask_truncated=cfg.overlong_filter)  # fmt: skip
             if cfg.bucket_lengths:
-                longest = int(batch["segment_ids"].sum(axis=1).max(initial=0))
-                batch = trimmed(batch, bucket_length(longest, seq_len, run.mesh.context))
+                batch = to_bucket(batch, seq_len, run.mesh.context)
         counts["row_length"] = float(batch["input_ids"].shape[1])
         counts["rows"] = float(batch["input_ids"].shape[0])
         if self.collector.audit is not None:
