@@ -293,7 +293,7 @@ def run_mode(args, mode: str) -> dict:
         batches = RolloutBatches(stage, collector, engine, costs=run.cost, hour_usd=hour_usd)
         algorithm = Algorithm(
             objective=make_policy_objective(placed.model_def, cfg, vocab_chunk=run.train.vocab_chunk),
-            denominator=policy_denominator(cfg.aggregation),
+            denominator=policy_denominator(cfg.aggregation, packed=cfg.pack_rows),
             finalize=batches.finalize,
             tokens_in=lambda b: int(np.sum(b["segment_ids"] > 0)),
         )

@@ -72,7 +72,9 @@ class _SamplingAndUpdates(SamplingConfig, _LossAndBatch):
     """Pack several samples into each row (first fit in decreasing length; attention and every
     per-sequence quantity stay within a sample), so a batch of mixed lengths trains on far fewer
     rows: worth it when a few samples run long and most stay short. The row count is rounded to
-    one of a few sizes (rows x 1, 3/4, 1/2, 3/8, ...), each compiled once."""
+    one of a few sizes (rows x 1, 3/4, 1/2, 3/8, ...), and a stage compiles its step once per
+    (row count, row length) it meets. With mini_batches > 1 the rows, not the samples, are
+    split, so a mini-batch of short samples holds more of them than one of long samples."""
 
 
 @dataclass

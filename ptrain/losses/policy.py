@@ -30,7 +30,8 @@ per sequence (exp of the sum) or geometric (exp of the mean over the sequence) b
   mis   w <- w 1[is_low <= w <= is_high]                             masked IS (IcePop / NeMo RL)
   The policy term is multiplied by w. `max_seq_mult_prob_error` drops whole sequences whose
   mean multiplicative probability error mean_t exp(|old - eng|) exceeds it (NeMo RL's
-  `seq_logprob_error_threshold`, Nemotron uses 2); dropped sequences leave every count.
+  `seq_logprob_error_threshold`, Nemotron uses 2); dropped sequences leave every count of
+  this call (token_count, seq_count, the aggregation's own), not a `denominator` passed in.
 
 KL to the reference (`kl_estimator`, x = ref - logp, samples from pi_theta), added per token
 with weight `kl_coef` (GRPO puts it in the loss, not the reward):

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import jax
 
-from ptrain.parallel.multihost import host_array, is_primary
+from ptrain.parallel.multihost import host_array, on_primary
 
 
 def make_engine(run, model_def, params, model_state, *, mesh, tokenizer, seed: int, stage_dir: str | None = None,
@@ -87,15 +87,28 @@ def _on_host(tree):
 class PrimaryEngine:
     """The embedded engine of a job of several JAX processes: a LocalEngine in process 0 alone,
     on one of its devices, since sampling holds no collective the processes could reach in
-    step. Process 0 samples (the stages call it through `on_primary`). Weight updates are
-    collectives: every process calls them in the same order, each gathers the (sharded) weights
-    or adapters to its host, and process 0 installs them. `default_lora` is known everywhere,
-    as the stage asks it on every process; the rest of the engine exists in process 0 only."""
+    step. Process 0 samples (the stages call it through `on_primary`). Building it and every
+    weight update are collectives: every process calls them in the same order, each gathers
+    the (sharded) weights or adapters to its host, process 0 installs them, and a failure
+    there is raised on every process (`on_primary`), so none is left waiting. `default_lora` is
+    known everywhere, as the stage asks it on every process; the rest of the engine exists in
+    process 0 only."""
 
     def __init__(self, make: Callable, params, model_state):
         params, model_state = _on_host((params, model_state))
-        self._engine = make(params, model_state) if is_primary() else None
+        self._engine = None
         self._default_lora: str | None = None
+
+        def build() -> None:
+            self._engine = make(params, model_state)
+
+        self._in_primary(build, "building the embedded engine in process 0")
+
+    @staticmethod
+    def _in_primary(fn: Callable, what: str):
+        from ptrain.rollout.protocol import EngineUnavailable
+
+        return on_primary(fn, what, keep=(EngineUnavailable,))
 
     @property
     def default_lora(self) -> str | None:
@@ -108,20 +121,24 @@ class PrimaryEngine:
 
     def update_weights(self, params, model_state=None, *, weight_version: str | None = None, mode: str = "drain"):
         params, model_state = _on_host((params, model_state))
-        if self._engine is None:
-            return weight_version
-        return self._engine.update_weights(params, model_state, weight_version=weight_version, mode=mode)
+        return self._in_primary(
+            lambda: self._engine.update_weights(params, model_state, weight_version=weight_version, mode=mode),
+            "installing weights in process 0's engine",
+        )
 
     def load_lora(self, name: str, path: str | None = None, *, adapters=None, spec=None, replace: bool = False):
         adapters = _on_host(adapters)
-        if self._engine is not None:
-            return self._engine.load_lora(name, path, adapters=adapters, spec=spec, replace=replace)
+        return self._in_primary(
+            lambda: self._engine.load_lora(name, path, adapters=adapters, spec=spec, replace=replace),
+            f"loading adapter {name!r} in process 0's engine",
+        )
 
     def update_lora(self, name: str, adapters, spec, *, weight_version: str | None = None, mode: str = "drain"):
         adapters = _on_host(adapters)
-        if self._engine is None:
-            return weight_version
-        return self._engine.update_lora(name, adapters, spec, weight_version=weight_version, mode=mode)
+        return self._in_primary(
+            lambda: self._engine.update_lora(name, adapters, spec, weight_version=weight_version, mode=mode),
+            f"installing adapter {name!r} in process 0's engine",
+        )
 
     def close(self) -> None:
         if self._engine is not None:

@@ -33,9 +33,11 @@ from ptrain.losses.reduce import sequence_sums
 from ptrain.train.state import ModelDef, TrainState
 
 # PolicyAux fields that are means over the micro-batch's tokens (kept ones: after the sequence
-# drop; all: before it) or its sequences; the step sums micro-batches, so each is weighted by
-# the micro-batch's share of the batch's tokens or sequences. (pg_loss and kl_loss are
-# aggregated over the global denominator already: they add up.)
+# drop; all: before it) or its sequences; the step sums micro-batches. Those over all tokens or
+# sequences are weighted by the micro-batch's share of the batch's (denominators counted before
+# the drop); those over kept tokens, whose batch total is known only after every micro-batch,
+# are summed (mean x kept tokens) and divided by the kept tokens (loss_tokens) on the host.
+# (pg_loss and kl_loss are aggregated over the global denominator already: they add up.)
 _ADDITIVE_METRICS = ("pg_loss", "kl_loss")
 _KEPT_TOKEN_METRICS = ("entropy", "clip_frac_low", "clip_frac_high", "clip_frac_dual", "approx_kl", "ratio_mean")
 _ALL_TOKEN_METRICS = ("is_ratio_mean", "mismatch_kl", "mult_prob_error", "frac_is_masked")
@@ -117,9 +119,9 @@ def make_policy_objective(model_def: ModelDef, cfg: Any, *, vocab_chunk: int = 0
         )
         mask = batch["loss_mask"].astype(jnp.float32)
         _, seq_tokens = sequence_sums(mask, mask, batch["segment_ids"] if cfg.pack_rows else None)
-        share = aux.token_count / denoms["tokens"]
-        metrics = {k: getattr(aux, k) * share for k in _KEPT_TOKEN_METRICS}
-        metrics.update({k: getattr(aux, k) * jnp.sum(mask) / denoms["tokens"] for k in _ALL_TOKEN_METRICS})
+        share = jnp.sum(mask) / denoms["tokens"]
+        metrics = {k: getattr(aux, k) * aux.token_count for k in _KEPT_TOKEN_METRICS}
+        metrics.update({k: getattr(aux, k) * share for k in _ALL_TOKEN_METRICS})
         seq_share = jnp.sum((seq_tokens > 0).astype(jnp.float32)) / denoms["seqs"]
         metrics.update({k: getattr(aux, k) * seq_share for k in _SEQUENCE_METRICS})
         metrics.update({k: getattr(aux, k) for k in _ADDITIVE_METRICS})
@@ -151,6 +153,8 @@ def finalize_policy_metrics(m: dict, grad_accum: int) -> dict:
             out["expert_load_min"] = float(jnp.min(load)) * load.shape[-1]
         elif k in _MAX_METRICS or k == "moe_lb_loss":
             out[k] = float(v) / grad_accum
+        elif k in _KEPT_TOKEN_METRICS:
+            out[k] = float(v) / max(float(m["loss_tokens"]), 1.0)
         else:
             out[k] = float(v) if jnp.ndim(v) == 0 else v
     return out

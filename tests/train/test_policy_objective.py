@@ -14,7 +14,12 @@ from ptrain.envs.base import Task, Trajectory
 from ptrain.losses.policy import policy_loss
 from ptrain.stages.grpo.batch import packed_rows, policy_batch
 from ptrain.train.optim import make_optimizer
-from ptrain.train.policy_objective import make_policy_objective, policy_denominator, policy_logprobs
+from ptrain.train.policy_objective import (
+    finalize_policy_metrics,
+    make_policy_objective,
+    policy_denominator,
+    policy_logprobs,
+)
 from ptrain.train.state import init_train_state, split_model
 from ptrain.train.step import make_train_step
 from tests.train.helpers import tiny_model
@@ -164,6 +169,10 @@ def test_a_packed_batch_has_the_loss_and_gradient_of_the_unpacked_one(options):
         assert m_packed[k] == pytest.approx(m_flat[k], rel=1e-5, abs=1e-7), k
     if "max_seq_mult_prob_error" in options:
         assert m_flat["frac_seq_dropped"] == pytest.approx(3 / 7)
+        # Means over the kept tokens stay means when sequences are dropped: old = logp - 0.05
+        # makes every ratio exp(0.05).
+        step = finalize_policy_metrics(m_flat, 1)
+        assert step["ratio_mean"] == pytest.approx(np.exp(0.05), rel=1e-5)
     for a, b in zip(jax.tree.leaves(g_flat), jax.tree.leaves(g_packed)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
