@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 @dataclass
 class RolloutConfig:
     kind: str = "local"
-    """local (the in-process JAX engine) | sglang (an SGLang fleet: ptrain.rollout.fleet)."""
+    """local (the in-process JAX engine; as several JAX processes, in process 0 on one of its
+    devices) | sglang (an SGLang fleet: ptrain.rollout.fleet)."""
     max_running_requests: int = 64
     """local: samples decoded at once (KV-cache rows)."""
     context_length: int | None = None
