@@ -2,10 +2,9 @@
 
 The batch is `ptrain.stages.grpo.batch.policy_batch`'s: one trajectory per row (or, with
 `algo.grpo.pack_rows`, per segment of a row), the engine's log-probs of the sampled tokens, its
-advantage. The objective recomputes the
-policy's log-probs of those tokens under softmax(logits / temperature) (the distribution
-the engine sampled from, before top-k / top-p truncation) and hands them to
-`ptrain.losses.policy_loss` with the options of `algo.grpo`.
+advantage. The objective recomputes the policy's log-probs of those tokens under
+softmax(logits / temperature) (the distribution the engine sampled from, before top-k / top-p
+truncation) and hands them to `ptrain.losses.policy_loss` with the options of `algo.grpo`.
 
 Three log-probs of each sampled token meet here (AReaL's decoupled PPO, arXiv 2505.24298):
   logp    the policy being updated (gradient),
