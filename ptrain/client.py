@@ -35,7 +35,6 @@ share one copy of the base: `base = ptrain.client.load_base(path)`, then
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import shutil
 from collections.abc import Callable, Mapping, Sequence
@@ -475,9 +474,9 @@ class TrainingClient:
                 f"datum {i} has {lengths[i]} tokens, more than the model's context of {self.cfg.max_seq_len}; "
                 "shorten or split it"
             )
-        from ptrain.parallel import BATCH_AXES
+        from ptrain.parallel import batch_devices
 
-        dp = math.prod(self.mesh.shape.get(a, 1) for a in BATCH_AXES)  # the rows batch_sharding splits
+        dp = batch_devices(self.mesh)
         rows = _pow2(len(data))
         rows = -(-rows // dp) * dp
         width = max(_pow2(max(lengths)), 8)

@@ -10,6 +10,7 @@ from ptrain.parallel.mesh import MESH_AXES, make_mesh, maybe_initialize_distribu
 from ptrain.parallel.sharding import (
     BATCH_AXES,
     DEFAULT_RULES,
+    batch_devices,
     batch_sharding,
     logical_to_spec,
     replicated,
@@ -20,6 +21,7 @@ __all__ = [
     "BATCH_AXES",
     "DEFAULT_RULES",
     "MESH_AXES",
+    "batch_devices",
     "batch_sharding",
     "logical_to_spec",
     "make_mesh",

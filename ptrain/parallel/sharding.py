@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -114,6 +115,12 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Leading (batch) dimension split over data x fsdp x expert; the rest replicated."""
     return NamedSharding(mesh, P(tuple(a for a in BATCH_AXES if a in mesh.shape)))
+
+
+def batch_devices(mesh: Mesh) -> int:
+    """How many ways `batch_sharding` splits a batch's rows (data x fsdp x expert): what a row
+    count must be a multiple of."""
+    return math.prod(mesh.shape.get(a, 1) for a in BATCH_AXES)
 
 
 def shardings_following_params(tree, abstract_params, param_shardings, mesh: Mesh):

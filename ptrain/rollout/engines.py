@@ -79,11 +79,6 @@ def fleet_weight_dir(run, stage_dir: str | None) -> str:
     return run_weight_dir(run.rollout.weight_dir, owner, name)
 
 
-def _on_host(tree):
-    """A pytree of global arrays gathered to this host (a collective for sharded ones)."""
-    return jax.tree.map(host_array, tree)
-
-
 class PrimaryEngine:
     """The embedded engine of a job of several JAX processes: a LocalEngine in process 0 alone,
     on one of its devices, since sampling holds no collective the processes could reach in
@@ -95,7 +90,7 @@ class PrimaryEngine:
     process 0 only."""
 
     def __init__(self, make: Callable, params, model_state):
-        params, model_state = _on_host((params, model_state))
+        params, model_state = jax.tree.map(host_array, (params, model_state))
         self._engine = None
         self._default_lora: str | None = None
 
@@ -120,21 +115,21 @@ class PrimaryEngine:
         self._default_lora = name
 
     def update_weights(self, params, model_state=None, *, weight_version: str | None = None, mode: str = "drain"):
-        params, model_state = _on_host((params, model_state))
+        params, model_state = jax.tree.map(host_array, (params, model_state))
         return self._in_primary(
             lambda: self._engine.update_weights(params, model_state, weight_version=weight_version, mode=mode),
             "installing weights in process 0's engine",
         )
 
     def load_lora(self, name: str, path: str | None = None, *, adapters=None, spec=None, replace: bool = False):
-        adapters = _on_host(adapters)
+        adapters = jax.tree.map(host_array, adapters)
         return self._in_primary(
             lambda: self._engine.load_lora(name, path, adapters=adapters, spec=spec, replace=replace),
             f"loading adapter {name!r} in process 0's engine",
         )
 
     def update_lora(self, name: str, adapters, spec, *, weight_version: str | None = None, mode: str = "drain"):
-        adapters = _on_host(adapters)
+        adapters = jax.tree.map(host_array, adapters)
         return self._in_primary(
             lambda: self._engine.update_lora(name, adapters, spec, weight_version=weight_version, mode=mode),
             f"installing adapter {name!r} in process 0's engine",

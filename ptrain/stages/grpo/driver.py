@@ -40,11 +40,11 @@ import jax
 import numpy as np
 
 from ptrain.config import RunConfig
-from ptrain.config.choices import BATCH_AXES
 from ptrain.config.cost import cpu_cores
 from ptrain.config.grpo import staleness_bound
 from ptrain.data.buckets import bucket_length, to_bucket
 from ptrain.envs.base import is_correct
+from ptrain.parallel import batch_devices
 from ptrain.parallel.multihost import broadcast_from_primary, is_primary, on_primary
 from ptrain.rollout.protocol import EngineUnavailable, SamplingParams
 from ptrain.stages.grpo.batch import measured_advantages, policy_batch
@@ -98,14 +98,9 @@ class RolloutBatches:
         self.hour_usd = hour_usd
         """What one wall-clock hour of the machine costs (cost.machine_hour_usd)."""
         self.rows = self.cfg.prompts_per_step * self.cfg.group_size
-        mesh = stage.placed.mesh
         # What a packed batch's row count must divide by: every mini-batch splits into grad_accum
         # micro-batches over the data-parallel devices.
-        self.row_multiple = (
-            self.cfg.mini_batches
-            * stage.run.train.grad_accum
-            * int(np.prod([mesh.shape[a] for a in BATCH_AXES if a in mesh.shape]))
-        )
+        self.row_multiple = self.cfg.mini_batches * stage.run.train.grad_accum * batch_devices(stage.placed.mesh)
         self.queue: deque[dict] = deque()
         self._t_batch = self._t_last_take = time.time()
         self.step_metrics: deque[dict] = deque()
