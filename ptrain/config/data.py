@@ -134,6 +134,11 @@ class DataConfig:
     """Environment demonstration knobs, used when source=envs."""
     reasoning: ReasoningConfig = field(default_factory=ReasoningConfig)
     """Reasoning-off and thinking-budget transforms of chat training rows (SFT stages)."""
+    tool_hallucination: float = 0.0
+    """Share of chat training rows whose prompt declares no tools that call an undeclared tool
+    before their answer (ptrain/data/tool_hallucination.py): the flaw of SFT data mixing tool
+    and tool-free conversations that Nemotron 3 Nano's DPO removes (arXiv 2512.20848 App. C),
+    planted where a recipe demonstrates that stage. In [0, 1]; 0 leaves every row as it is."""
 
 
 def _check(cond: bool, key: str, msg: str) -> None:
@@ -186,6 +191,11 @@ def validate_data_config(cfg: DataConfig) -> None:
         r.strip + r.budget <= 1,
         "reasoning.strip",
         f"reasoning.strip + reasoning.budget is {r.strip + r.budget}, above 1; lower either share",
+    )
+    _check(
+        0 <= cfg.tool_hallucination <= 1,
+        "tool_hallucination",
+        f"must be a share in [0, 1], got {cfg.tool_hallucination}; pass 0 to leave the rows as they are",
     )
     if cfg.source == "envs":
         e = cfg.envs

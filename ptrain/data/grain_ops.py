@@ -65,7 +65,9 @@ def _cache_key(cfg: DataConfig, tokenizer, split: str, seq_len: int, what: str) 
         cfg.bad_rows,
         cfg.max_bad_fraction,
         cfg.report_rows,
-        (cfg.reasoning.strip, cfg.reasoning.budget, shuffle_seed(cfg)) if split == "train" else None,
+        (cfg.reasoning.strip, cfg.reasoning.budget, cfg.tool_hallucination, shuffle_seed(cfg))
+        if split == "train"
+        else None,
     )
 
 

@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from ptrain.data.sources import RowTransform
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
@@ -85,24 +87,16 @@ def reasoning_budget(
     return out
 
 
-class ReasoningControls:
+class ReasoningControls(RowTransform):
     """A row source (len, [], where) whose chat rows carry the reasoning-off and budget
     transforms at the given shares; see the module docstring."""
 
     def __init__(self, source, tokenizer, *, strip: float, budget: float, seed: int):
         if not (0 <= strip and 0 <= budget and strip + budget <= 1):
             raise ValueError(f"reasoning shares strip={strip} budget={budget} must be >= 0 with a sum <= 1")
-        self.source, self.tokenizer = source, tokenizer
+        super().__init__(source)
+        self.tokenizer = tokenizer
         self.strip, self.budget, self.seed = float(strip), float(budget), int(seed)
-        for name in ("path", "name"):
-            if hasattr(source, name):
-                setattr(self, name, getattr(source, name))
-
-    def __len__(self) -> int:
-        return len(self.source)
-
-    def where(self, index: int) -> str:
-        return self.source.where(index) if hasattr(self.source, "where") else f"row {index}"
 
     def choice(self, index: int) -> tuple[str, np.random.Generator]:
         """("off" | "budget" | "keep", the row's generator) for row `index`."""

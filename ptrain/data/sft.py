@@ -39,6 +39,7 @@ from ptrain.data.grain_ops import (
 )
 from ptrain.data.reasoning import ReasoningControls
 from ptrain.data.report import BadRowReport
+from ptrain.data.tool_hallucination import ToolHallucination
 
 CONTRACT_KEYS = ("input_ids", "target_ids", "loss_mask", "segment_ids", "positions")
 
@@ -49,13 +50,19 @@ def sft_examples(
     """Validated, tokenised SFT examples of one split (cached per process) and their bad-row report.
 
     Training rows carry the reasoning-off and thinking-budget transforms at the shares of
-    cfg.reasoning (ptrain/data/reasoning.py), chosen by the shuffle seed and row index."""
+    cfg.reasoning (ptrain/data/reasoning.py) and the planted calls to undeclared tools of
+    cfg.tool_hallucination (ptrain/data/tool_hallucination.py), chosen by the shuffle seed
+    and row index."""
     r = cfg.reasoning
 
     def rows(source):
-        if split != "train" or not (r.strip or r.budget):
+        if split != "train":
             return source
-        return ReasoningControls(source, tokenizer, strip=r.strip, budget=r.budget, seed=shuffle_seed(cfg))
+        if r.strip or r.budget:
+            source = ReasoningControls(source, tokenizer, strip=r.strip, budget=r.budget, seed=shuffle_seed(cfg))
+        if cfg.tool_hallucination:
+            source = ToolHallucination(source, share=cfg.tool_hallucination, seed=shuffle_seed(cfg))
+        return source
 
     return cached_split(
         cfg,

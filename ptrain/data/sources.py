@@ -192,6 +192,24 @@ class ListSource:
         return f"ListSource({self.name!r}, rows={len(self)})"
 
 
+class RowTransform:
+    """A row source over another whose rows a subclass rewrites on read (`__getitem__`). It
+    keeps the other's length, row locations and file name, so a bad-row report still points
+    at the row in the file."""
+
+    def __init__(self, source):
+        self.source = source
+        for name in ("path", "name"):
+            if hasattr(source, name):
+                setattr(self, name, getattr(source, name))
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def where(self, index: int) -> str:
+        return self.source.where(index) if hasattr(self.source, "where") else f"row {index}"
+
+
 def _saved_dataset_files(folder: str) -> list[str] | None:
     """The shards a `datasets` save_to_disk folder lists in its state.json, in order; None when
     there is no such list. Other .arrow files there (`cache-*.arrow` from a .map) are not rows
