@@ -43,7 +43,7 @@ QUERY_CHARS = 48
 _STREAM = 0x7001  # the row generator's third key: independent of the reasoning controls' draw
 
 
-def declares_tools(row: dict[str, Any]) -> bool:
+def row_declares_tools(row: dict[str, Any]) -> bool:
     """Whether the row offers tools: a `tools` list, or a message declaring them in <tools>
     (the Hermes / Qwen system prompt, as ChatFormat.with_tools writes it)."""
     if row.get("tools"):
@@ -92,7 +92,7 @@ class ToolHallucination(RowTransform):
         if not drawn or not isinstance(row, dict) or not isinstance(row.get("messages"), list):
             return row
         messages = row["messages"]
-        if not all(isinstance(m, dict) for m in messages) or declares_tools(row):
+        if not all(isinstance(m, dict) for m in messages) or row_declares_tools(row):
             return row  # the row's own checks name what is wrong with a malformed one
         new = undeclared_call(messages, rng)
         return row if new is None else {**row, "messages": new}

@@ -14,7 +14,7 @@ from ptrain.data.tool_hallucination import (
     QUERY_CHARS,
     UNDECLARED_TOOLS,
     ToolHallucination,
-    declares_tools,
+    row_declares_tools,
     undeclared_call,
 )
 from ptrain.envs.base import Task, Trajectory, Turn
@@ -80,9 +80,9 @@ def test_the_planted_call_reads_as_a_hallucinated_one():
 def test_rows_that_declare_tools_are_left_alone():
     declared = convo()
     declared[0] = {"role": "system", "content": "# Tools\n<tools>\n{}\n</tools>"}
-    assert declares_tools({"messages": declared})
-    assert declares_tools({"messages": convo(), "tools": [{"name": "calculator"}]})
-    assert not declares_tools({"messages": convo()})
+    assert row_declares_tools({"messages": declared})
+    assert row_declares_tools({"messages": convo(), "tools": [{"name": "calculator"}]})
+    assert not row_declares_tools({"messages": convo()})
     rows = ListSource([{"messages": declared}, {"messages": convo(), "tools": [{"name": "x"}]}])
     planted = ToolHallucination(rows, share=1.0, seed=0)
     assert planted[0] == rows[0] and planted[1] == rows[1]
