@@ -12,9 +12,10 @@ without losing accuracy:
 For each of the first `algo.dpo.env_pairs` tasks drawn from the stage's environments (by
 weight, as an RL stage draws them) the policy samples `policy_samples` episodes through the
 environment's own rollout, which grades them. Good samples (correct, finished, no tool call
-where none is declared) are zipped with bad ones into (chosen, rejected) pairs; a task the
-policy never gets right pairs the environment's demonstration with a bad sample when the
-environment can write one. Held-out pairs come the same way from the first
+where none is declared) are zipped with bad ones into (chosen, rejected) pairs, the bad
+samples that call an undeclared tool first (a task with fewer good samples than bad ones
+then spends its pairs on the hallucinations); a task the policy never gets right pairs the
+environment's demonstration with a bad sample when the environment can write one. Held-out pairs come the same way from the first
 `policy_eval_pairs` held-out tasks of each environment.
 
 Pairs are written once into the stage folder (`env_pairs.jsonl`, `env_pairs_eval.jsonl`,
@@ -58,6 +59,8 @@ def task_pairs(env, task, samples, *, tool_free: bool) -> tuple[list[dict[str, A
     good = [t for t in samples if good_sample(t, tool_free=tool_free)]
     bad = [t for t in samples if not good_sample(t, tool_free=tool_free) and any(m["content"].strip()
            for m in episode_messages(t))]  # fmt: skip
+    if tool_free:  # the tool-calling samples are rejected first: removing them is what the stage is for
+        bad.sort(key=lambda t: not calls_a_tool(t))
     counts = dict.fromkeys((*CATEGORIES, "with_demonstration"), 0)
     if not bad:
         return [], counts

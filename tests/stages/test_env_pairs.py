@@ -62,3 +62,23 @@ def test_no_good_sample_pairs_the_demonstration_and_cut_or_empty_samples_never_w
     assert pairs[0]["chosen"][0]["content"].endswith("\\boxed{4}")
     assert pairs[0]["rejected"][0]["content"] == "<think>long"  # the cut sample is rejected, the empty one dropped
     assert task_pairs(Env(), TASK, [sample(("policy", "4"), correct=True)] * 2, tool_free=True)[0] == []
+
+
+def test_with_fewer_good_samples_than_bad_the_tool_calls_are_rejected_first():
+    """A task the policy never gets right has one chosen side (the demonstration), so one pair:
+    its rejected side is the hallucinating sample, not the first wrong one; without declared
+    tools the order of the other bad samples is kept."""
+    wrong = sample(("policy", "<think>hm</think>5"), correct=False)
+    called = sample(("policy", CALL + "5"), correct=False)
+    other = sample(("policy", "6"), correct=False)
+    pairs, counts = task_pairs(Env(), TASK, [wrong, other, called], tool_free=True)
+    assert [p["category"] for p in pairs] == ["hallucination"]
+    assert pairs[0]["rejected"][0]["content"].startswith("<tool_call>")
+    assert counts["with_demonstration"] == 1
+    right = sample(("policy", "<think>ok</think>4"), correct=True)
+    pairs, _ = task_pairs(Env(), TASK, [wrong, right, called, other, right], tool_free=True)
+    assert [p["category"] for p in pairs] == ["hallucination", "no_tools"]
+    assert pairs[1]["rejected"][0]["content"] == "<think>hm</think>5"
+    # a tool environment's calls are no hallucination: its bad samples stay in order
+    pairs, _ = task_pairs(Env(), TASK, [right, wrong, called], tool_free=False)
+    assert pairs[0]["rejected"][0]["content"] == "<think>hm</think>5"
