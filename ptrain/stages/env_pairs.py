@@ -15,8 +15,9 @@ environment's own rollout, which grades them. Good samples (correct, finished, n
 where none is declared) are zipped with bad ones into (chosen, rejected) pairs, the bad
 samples that call an undeclared tool first (a task with fewer good samples than bad ones
 then spends its pairs on the hallucinations); a task the policy never gets right pairs the
-environment's demonstration with a bad sample when the environment can write one. Held-out pairs come the same way from the first
-`policy_eval_pairs` held-out tasks of each environment.
+environment's demonstration with a bad sample when the environment can write one. Held-out
+pairs come the same way from the first `policy_eval_pairs` held-out tasks of each
+environment.
 
 Pairs are written once into the stage folder (`env_pairs.jsonl`, `env_pairs_eval.jsonl`,
 counts and settings in `env_pairs.json`) as preference JSONL in chat form; a resumed stage
