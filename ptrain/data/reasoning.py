@@ -51,13 +51,14 @@ def join_reasoning(head: str, reasoning: str, answer: str) -> str:
     return f"{head}{THINK_OPEN}{reasoning}{THINK_CLOSE}{answer}"
 
 
-def _last(messages: list[dict[str, Any]], role: str) -> int | None:
+def last_turn(messages: list[dict[str, Any]], role: str) -> int | None:
+    """The index of the last message of `role`, or None."""
     return next((i for i in range(len(messages) - 1, -1, -1) if messages[i].get("role") == role), None)
 
 
 def reasoning_off(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
     """The conversation with the last assistant turn's reasoning removed; None if it has none."""
-    a = _last(messages, "assistant")
+    a = last_turn(messages, "assistant")
     parts = split_reasoning(str(messages[a].get("content", ""))) if a is not None else None
     if parts is None:
         return None
@@ -72,9 +73,9 @@ def reasoning_budget(
     """The conversation with the last assistant turn's reasoning cut to a budget N drawn
     uniformly in [1, its token count - 1], and N stated in the last user turn before it.
     None when there is no reasoning of at least two tokens or no user turn to state N in."""
-    a = _last(messages, "assistant")
+    a = last_turn(messages, "assistant")
     parts = split_reasoning(str(messages[a].get("content", ""))) if a is not None else None
-    u = _last(messages[:a], "user") if a is not None else None
+    u = last_turn(messages[:a], "user") if a is not None else None
     if parts is None or u is None:
         return None
     ids = tokenizer.encode(parts[1], add_special_tokens=False)

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from ptrain.data.reasoning import THINK_CLOSE
+from ptrain.data.reasoning import THINK_CLOSE, last_turn
 from ptrain.data.sources import RowTransform
 
 UNDECLARED_TOOLS = ("search", "calculator", "python")
@@ -57,10 +57,10 @@ def undeclared_call(messages: list[dict[str, Any]], rng: np.random.Generator) ->
     turn comes before it."""
     if not messages or messages[-1].get("role") != "assistant":
         return None
-    user = next((m for m in reversed(messages[:-1]) if m.get("role") == "user"), None)
+    user = last_turn(messages[:-1], "user")
     if user is None:
         return None
-    query = " ".join(str(user.get("content", "")).split())[:QUERY_CHARS]
+    query = " ".join(str(messages[user].get("content", "")).split())[:QUERY_CHARS]
     name = UNDECLARED_TOOLS[int(rng.integers(len(UNDECLARED_TOOLS)))]
     call = "<tool_call>\n" + json.dumps({"name": name, "arguments": {"query": query}}) + "\n</tool_call>\n"
     content = str(messages[-1].get("content", ""))

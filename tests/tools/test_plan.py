@@ -85,7 +85,7 @@ print(json.dumps(out))
 
 
 @pytest.fixture(scope="module")
-def compiled() -> dict[str, dict[str, float]]:
+def xla_measured() -> dict[str, dict[str, float]]:
     """Each shape's measured peak bytes and FLOPs, compiled in a fresh process without the
     CPU tuning flags: a stage run earlier in this process (tests/api) may have added them to
     XLA_FLAGS before the backend started, and they change the step's buffers."""
@@ -103,10 +103,10 @@ def compiled() -> dict[str, dict[str, float]]:
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_memory_matches_xla_within_20_percent(compiled, name):
+def test_memory_matches_xla_within_20_percent(xla_measured, name):
     cfg, rows, seq_len = SHAPES[name]
     cpu = plan.plan_memory(cfg, rows=rows, seq_len=seq_len, shards=plan.Shards(), remat_lowers_peak=False)
-    peak = compiled[name]["peak"]
+    peak = xla_measured[name]["peak"]
     print(f"{name}: measured {peak / 2**20:.2f} MiB, planned {cpu.total / 2**20:.2f} MiB "
           f"({cpu.total / peak - 1:+.1%}); {cpu}")  # fmt: skip
     assert abs(cpu.total / peak - 1) < 0.20
@@ -115,9 +115,9 @@ def test_memory_matches_xla_within_20_percent(compiled, name):
         assert honoured.activations < cpu.activations
 
 
-def test_flops_match_xla_cost_analysis(compiled):
+def test_flops_match_xla_cost_analysis(xla_measured):
     cfg, rows, seq_len = SHAPES["dense"]
-    xla = compiled["dense"]["flops"]
+    xla = xla_measured["dense"]["flops"]
     planned = plan.training_flops(cfg, seq_len, rows * seq_len, "sft")
     full_scores = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len * rows * seq_len
     causal_share = (seq_len + 64) / (2 * seq_len)  # ptrain.models.layers.ATTN_QUERY_CHUNK = 64
