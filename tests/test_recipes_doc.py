@@ -48,3 +48,8 @@ def test_header_fields_join_continuations_and_stop_before_a_table():
     )
     scaled = recipes_table.header_fields("# Result at scale=tiny: not measured yet.\n#   More. Text.")
     assert recipes_table.first_sentence(scaled["Result"], "x") == "at scale=tiny: not measured yet."
+
+
+def test_a_first_sentence_runs_past_a_title_such_as_dr_grpo():
+    text = "Dr. GRPO ends level with GRPO (0.576 against 0.579). Measured on three seeds."
+    assert recipes_table.first_sentence(text, "x") == "Dr. GRPO ends level with GRPO (0.576 against 0.579)."

@@ -66,10 +66,10 @@ def header_fields(text: str) -> dict[str, str]:
 
 
 def first_sentence(text: str, recipe: str) -> str:
-    """The text up to its first sentence end (a '.' before a space or the end). A text that
-    ends in ':' before any sentence end introduces a table, which stays in the header: it
-    says so instead."""
-    end = re.search(r"\.(\s|$)", text)
+    """The text up to its first sentence end (a '.' before a space or the end, not the one of
+    a title such as "Dr. GRPO"). A text that ends in ':' before any sentence end introduces a
+    table, which stays in the header: it says so instead."""
+    end = re.search(r"(?<!\bDr)\.(\s|$)", text)
     if end is not None:
         return text[: end.start() + 1]
     if text.endswith(":"):
