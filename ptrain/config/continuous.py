@@ -92,8 +92,9 @@ class ContinuousConfig:
     versioned, verified weight push."""
     judge_calibration: str | None = None
     """A JSONL of response pairs with known verdicts (algo.eval.judge_calibration's format)
-    that the run's judge environment re-scores every round; promotion is blocked when the
-    judge's agreement falls more than `judge_drop` below the champion's round."""
+    that the run's judge environment (`kind: judge`, from the recipe or the inbox) re-scores
+    every round, in each eval stage that scores it; promotion is blocked when the judge's
+    agreement falls more than `judge_drop` below its agreement when the champion was scored."""
     judge_drop: float = 0.05
     """Largest fall in the judge's calibration agreement that still promotes (in [0, 1])."""
 

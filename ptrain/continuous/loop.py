@@ -294,23 +294,21 @@ class ContinuousLoop:
         envs = {n: inbox.env_config(self.state["envs"][n]["spec"]) for n in plan["envs"]}
         envs = _replay_weights(envs, set(plan["new"]), self.c.replay) if k > 0 else envs
         eval_seed = {"seed": int(run.train.seed)}  # every eval stage samples with the same seeds
-        # The judge's calibration runs in the eval stages of every environment-complete evaluation.
-        calib = {"eval": {"judge_calibration": self.c.judge_calibration}} if self.c.judge_calibration else {}
         missing = [n for n in plan["envs"] if n not in self._champion_scores()]
         if k == 0:
             stages = [StageConfig(name="eval_champion", kind="eval", init=plan["champion"], train=eval_seed,
-                                  algo=calib, envs=plan["envs"])]  # fmt: skip
+                                  algo=self._calibration(plan["envs"]), envs=plan["envs"])]  # fmt: skip
         else:
             template = run.stages[-1]
             algo = _deep_merge(template.algo, {"grpo": {"kl_coef": self.c.kl_anchor}})
             train = _deep_merge(template.train, {"eval_every": 0, "seed": None})
             grpo = dataclasses.replace(template, name="grpo", init=plan["champion"], algo=algo, train=train,
                                        envs=plan["envs"])  # fmt: skip
-            stages = [grpo, StageConfig(name="eval_challenger", kind="eval", train=eval_seed, algo=calib,
-                                        envs=plan["envs"])]  # fmt: skip
+            stages = [grpo, StageConfig(name="eval_challenger", kind="eval", train=eval_seed,
+                                        algo=self._calibration(plan["envs"]), envs=plan["envs"])]  # fmt: skip
             if missing:
                 stages.append(StageConfig(name="eval_champion", kind="eval", init=plan["champion"], train=eval_seed,
-                                          envs=missing))  # fmt: skip
+                                          algo=self._calibration(missing), envs=missing))  # fmt: skip
         cfg = dataclasses.replace(run, run_dir=rdir, envs=envs, stages=stages, seed=plan["seed"],
                                   continuous=ContinuousConfig(), scale="tiny", scales={})  # fmt: skip
         cfg.train = dataclasses.replace(cfg.train, seed=None)  # the round's own stream (run seed + k)
@@ -318,6 +316,12 @@ class ContinuousLoop:
             return to_run_config(OmegaConf.structured(cfg))
         except ConfigError as e:
             raise ConfigError(f"round {k}: {e}") from None
+
+    def _calibration(self, names: list[str]) -> dict:
+        """The eval stage's algo group: the judge's calibration set where the stage scores a
+        judge environment (a judge may arrive in any round; stages without one skip it)."""
+        judged = any(self.state["envs"][n]["spec"].get("kind") == "judge" for n in names)
+        return {"eval": {"judge_calibration": self.c.judge_calibration}} if self.c.judge_calibration and judged else {}
 
     def _write_manifest(self, plan: dict, rdir: str) -> None:
         path = os.path.join(rdir, "manifest.json")
@@ -352,10 +356,12 @@ class ContinuousLoop:
         return out
 
     def _judge_agreements(self, stages: str) -> dict[str, float]:
-        """The judge's calibration agreement when the champion was scored and now, and the drop
-        ({} without a judge in the loop, or before both were measured)."""
+        """The judge's calibration agreement when the champion was scored (in an earlier round,
+        or in this one when the judge has just arrived) and now, and the drop ({} without a
+        judge in the loop, or before both were measured)."""
         key = "eval/judge_calibration/agreement"
-        before = next((_read(os.path.join(d, "DONE.json"))[key] for d in self.state["champion_evals"]
+        champion_dirs = [*self.state["champion_evals"], os.path.join(stages, "eval_champion")]
+        before = next((_read(os.path.join(d, "DONE.json"))[key] for d in champion_dirs
                        if os.path.isfile(os.path.join(d, "DONE.json")) and key in _read(os.path.join(d, "DONE.json"))),
                       None)  # fmt: skip
         now_path = os.path.join(stages, "eval_challenger", "DONE.json")

@@ -1,19 +1,28 @@
 """The continuous loop end to end at smoke scale, as a user drives it: the Python API and the
 CLI over one run folder, environments dropped into the inbox, a running `python -m
-ptrain.serve` that gets each promoted model, a promotion, a rejection, an idle re-launch, a
-rollback, and a SIGTERM and a `kill -9` in the middle of a round."""
+ptrain.serve` that gets each promoted model, a judge served over HTTP whose calibration is
+re-scored every round, a promotion, a rejection, an idle re-launch, a rollback, and a
+SIGTERM and a `kill -9` in the middle of a round."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
 import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 
 import ptrain
 from ptrain.continuous import ledger
@@ -24,6 +33,41 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SMOKE = ["scale=smoke", "logging.console=false", "logging.tensorboard=false"]
 SUBTRACTION = "kind: arithmetic\nn_train: 16\nn_eval: 4\noptions: {ops: ['-'], min_digits: 2, max_digits: 2}\n"
 ADDITION = "kind: arithmetic\nn_train: 16\nn_eval: 4\noptions: {ops: ['+'], min_digits: 3, max_digits: 3}\n"
+
+
+# The judge: a GenRM behind an OpenAI-compatible endpoint that scores a response 5 when it
+# says "helpful" and 1 otherwise, until a redeployment (JUDGE["inverted"]) flips its taste.
+JUDGE = {"inverted": False}
+CALIBRATION = [
+    {"messages": [{"role": "user", "content": f"Question {k}?"}], "response_1": first, "response_2": second,
+     "better": better}
+    for k, (first, second, better) in enumerate([("A helpful answer.", "No.", 1), ("Maybe.", "A helpful reply.", 2)])
+]  # fmt: skip
+
+
+async def _judge_chat(request: Request) -> JSONResponse:
+    content = (await request.json())["messages"][0]["content"]
+    answers = [re.search(rf"<response_{i}>\n(.*?)\n</response_{i}>", content, re.S).group(1) for i in (1, 2)]
+    s1, s2 = (5 if ("helpful" in a) != JUDGE["inverted"] else 1 for a in answers)
+    verdict = {"score_1": s1, "score_2": s2, "ranking": 2 if s1 > s2 else 5 if s2 > s1 else 3}
+    message = {"role": "assistant", "content": json.dumps(verdict)}
+    return JSONResponse({"object": "chat.completion", "choices": [{"index": 0, "message": message}]})
+
+
+@pytest.fixture(scope="module")
+def judge_url():
+    app = Starlette(routes=[Route("/v1/chat/completions", _judge_chat, methods=["POST"])])
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
 
 
 def served_version(url: str) -> str:
@@ -39,12 +83,16 @@ def loop_run(tmp_path_factory):
     base = tmp_path_factory.mktemp("continuous")
     inbox, run_dir = base / "inbox", str(base / "R")
     inbox.mkdir()
-    first = ptrain.continuous("continuous", SMOKE, inbox=str(inbox), run_dir=run_dir, until_idle=True)
-    return base, inbox, run_dir, first
+    calibration = base / "calibration.jsonl"
+    calibration.write_text("".join(json.dumps(row) + "\n" for row in CALIBRATION))
+    # The calibration set is named before any judge environment exists: rounds skip it until one arrives.
+    judged = [f"continuous.judge_calibration={calibration}"]
+    first = ptrain.continuous("continuous", [*SMOKE, *judged], inbox=str(inbox), run_dir=run_dir, until_idle=True)
+    return base, inbox, run_dir, first, judged
 
 
 def test_round_zero_makes_the_base_the_champion(loop_run):
-    base, inbox, run_dir, first = loop_run
+    base, inbox, run_dir, first, _ = loop_run
     assert first.stopped == "idle" and [r["round"] for r in first.rounds] == [0]
     (row,) = leaderboard(run_dir)
     assert row["decision"] == "promoted" and set(row["envs"]) == {"arithmetic"}
@@ -58,22 +106,28 @@ def test_round_zero_makes_the_base_the_champion(loop_run):
     assert manifest["decision"] == "promoted" and manifest["envs"]["arithmetic"]["spec"]["seed"] is not None
 
 
-def test_promotion_rejection_idle_relaunch_and_rollback(loop_run, tmp_path):
-    base, inbox, run_dir, _ = loop_run
+def test_promotion_rejection_idle_relaunch_and_rollback(loop_run, judge_url, tmp_path):
+    base, inbox, run_dir, _, judged = loop_run
     server = start_server(os.path.join(run_dir, "champion"), str(tmp_path / "server.log"))
     try:
-        # An arrival and a broken file: the file is rejected, the round runs, and with
-        # improve=none (non-inferior suffices) the challenger is promoted and pushed.
+        # Two arrivals and a broken file: the file is rejected, the round runs, and with
+        # improve=none (non-inferior suffices) the challenger is promoted and pushed. The judge
+        # arrives with this round, so the champion's calibration is measured here too.
         (inbox / "subtraction.yaml").write_text(SUBTRACTION)
+        (inbox / "judge.yaml").write_text(
+            f"kind: judge\nn_train: 8\nn_eval: 4\noptions: {{judge: openai, judge_url: '{judge_url}', judge_model: genrm}}\n"
+        )
         (inbox / "broken.yaml").write_text("kind: nonsense\n")
         result = ptrain.continuous(
-            "continuous", [*SMOKE, "continuous.improve=none", f"continuous.serve_urls=[{server.url}]"],
+            "continuous", [*SMOKE, *judged, "continuous.improve=none", f"continuous.serve_urls=[{server.url}]"],
             inbox=str(inbox), run_dir=run_dir, max_rounds=1,
         )  # fmt: skip
         assert result.stopped == "max_rounds"  # one training round, then out without waiting
         (row,) = result.rounds
-        assert row["round"] == 1 and row["decision"] == "promoted" and row["new_envs"] == ["subtraction"]
-        assert set(row["envs"]) == {"arithmetic", "subtraction"} and row["targets"] == ["subtraction"]
+        assert row["round"] == 1 and row["decision"] == "promoted", row["reasons"]
+        assert row["new_envs"] == ["judge", "subtraction"] and row["targets"] == ["judge", "subtraction"]
+        assert set(row["envs"]) == {"arithmetic", "judge", "subtraction"}
+        assert row["judge"] == {"champion": 1.0, "challenger": 1.0, "drop": 0.0}
         for key in ("champion", "challenger", "delta", "ci_low", "ci_high", "n"):
             assert key in row["envs"]["subtraction"]
         assert set(row["cost_usd"]) == {"sample", "train", "eval", "judge", "total"} and row["cost_usd"]["train"] > 0
@@ -90,13 +144,18 @@ def test_promotion_rejection_idle_relaunch_and_rollback(loop_run, tmp_path):
 
         # A round that must improve every target and cannot (smoke-scale scores are all 0):
         # rejected with the reason, the champion and the served model unchanged.
+        # The judge is redeployed between rounds and now prefers the worse response: its
+        # calibration agreement falls from 1 to 0, which blocks promotion on its own.
+        JUDGE["inverted"] = True
         (inbox / "addition.yaml").write_text(ADDITION)
         result = ptrain.continuous(
-            "continuous", [*SMOKE, "continuous.improve=all", f"continuous.serve_urls=[{server.url}]"],
+            "continuous", [*SMOKE, *judged, "continuous.improve=all", f"continuous.serve_urls=[{server.url}]"],
             inbox=str(inbox), run_dir=run_dir, until_idle=True,
         )  # fmt: skip
         (row,) = result.rounds
         assert row["decision"] == "rejected" and "no improvement" in row["reasons"][0]
+        assert row["judge"] == {"champion": 1.0, "challenger": 0.0, "drop": 1.0}
+        assert "the judge's calibration agreement fell by 1.000" in row["reasons"][-1]
         assert row["reward_gain_per_usd"] == 0.0 and row["champion"] == round1
         assert os.path.realpath(os.path.join(run_dir, "champion")) == os.path.realpath(round1)
         assert served_version(server.url) == "round-1"
@@ -128,6 +187,7 @@ def test_promotion_rejection_idle_relaunch_and_rollback(loop_run, tmp_path):
                                 capture_output=True, text=True, timeout=300)  # fmt: skip
         assert "round   2 rejected" in status.stdout
     finally:
+        JUDGE["inverted"] = False
         server.proc.send_signal(signal.SIGTERM)
         server.proc.wait(timeout=60)
 
