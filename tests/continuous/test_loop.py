@@ -10,15 +10,12 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -26,6 +23,7 @@ from starlette.routing import Route
 
 import ptrain
 from ptrain.continuous import ledger
+from ptrain.serve.lm_harness import serving
 from tests.rollout.test_serve_process import start_server
 
 pytestmark = pytest.mark.slow
@@ -56,18 +54,8 @@ async def _judge_chat(request: Request) -> JSONResponse:
 
 @pytest.fixture(scope="module")
 def judge_url():
-    app = Starlette(routes=[Route("/v1/chat/completions", _judge_chat, methods=["POST"])])
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    with serving(Starlette(routes=[Route("/v1/chat/completions", _judge_chat, methods=["POST"])])) as url:
+        yield url
 
 
 def served_version(url: str) -> str:

@@ -13,11 +13,8 @@ import json
 import os
 import re
 import socket
-import threading
-import time
 
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -37,6 +34,7 @@ from ptrain.envs.judge import (
 from ptrain.envs.registry import ENV_CLASSES, env_class, make_env
 from ptrain.rollout.protocol import SamplingParams
 from ptrain.rollout.replay import Completion, ReplayEngine
+from ptrain.serve.lm_harness import serving
 from tests.envs.reward_models import score_by_hand, tiny_reward_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -331,18 +329,8 @@ async def _chat(request: Request) -> JSONResponse:
 
 @pytest.fixture(scope="module")
 def judge_url():
-    app = Starlette(routes=[Route("/v1/chat/completions", _chat, methods=["POST"])])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    with serving(Starlette(routes=[Route("/v1/chat/completions", _chat, methods=["POST"])])) as url:
+        yield url
 
 
 @pytest.fixture

@@ -4,12 +4,7 @@ out of service."""
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
-
 import pytest
-import uvicorn
 from flax import nnx
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
@@ -19,6 +14,7 @@ from ptrain.config.model import ModelConfig
 from ptrain.models import Decoder
 from ptrain.rollout.fleet import FleetEngine, FleetUnavailable, RequestFailed, WeightSyncError
 from ptrain.rollout.protocol import GenerateRequest, SamplingParams
+from ptrain.serve.lm_harness import serving
 from ptrain.train.state import split_model
 
 ANSWER: dict = {}
@@ -50,17 +46,8 @@ def worker_url():
             Route("/update_weights_from_disk", _update, methods=["POST"]),
         ]
     )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    with serving(app) as url:
+        yield url
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,6 @@ that comes back through the SDK can be checked: a target token's log-prob is
 -(token % 7 + 1) / (steps + 1), and a sample continues the prompt's last token by +1s.
 """
 
-import socket
 import threading
 import time
 import uuid
@@ -20,6 +19,7 @@ tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
 from ptrain.client import Datum, ForwardOutput, OptimStepOutput  # noqa: E402
+from ptrain.serve.lm_harness import serving  # noqa: E402
 from ptrain.tinker import wire  # noqa: E402
 from ptrain.tinker.server import make_app  # noqa: E402
 from ptrain.tinker.service import TinkerError  # noqa: E402
@@ -178,24 +178,9 @@ class ArithmeticService:
 @pytest.fixture(scope="module")
 def server():
     """(base_url, service): the app under uvicorn on a free loopback port, in a thread."""
-    import uvicorn
-
     service = ArithmeticService()
-    app = make_app(service, api_key=KEY, poll_wait_s=0.5)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not srv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", service
-    srv.should_exit = True
-    thread.join(10)
-    sock.close()
+    with serving(make_app(service, api_key=KEY, poll_wait_s=0.5)) as url:
+        yield url, service
 
 
 @pytest.fixture(scope="module")
