@@ -1,6 +1,8 @@
 """docs/recipes.md is what tools/recipes_table.py generates from the recipe files now, so the
 page cannot drift from the recipes; and the header fields it reads are parsed as written."""
 
+import pytest
+
 from ptrain.config.recipes import available_recipes
 from tools import recipes_table
 
@@ -14,15 +16,26 @@ def test_docs_recipes_md_is_what_the_tool_generates_now():
     )
 
 
-def test_every_recipe_header_says_what_it_reproduces_and_its_result():
+def test_every_recipe_header_says_what_it_reproduces_its_time_and_its_result():
     from importlib import resources
 
     for name in available_recipes():
         text = (resources.files("ptrain.conf") / "recipe" / f"{name}.yaml").read_text()
         fields = recipes_table.header_fields(text)
-        assert fields.get("Reproduces") and fields.get("Result"), (
-            f"recipes/{name}.yaml: header lacks Reproduces: or Result:"
-        )
+        for field in ("Reproduces", "Time", "Result"):
+            assert fields.get(field), f"recipes/{name}.yaml: header lacks {field}:"
+        lines = text.splitlines()
+        time = next(i for i, line in enumerate(lines) if line.startswith("# Time:"))
+        result = next(i for i, line in enumerate(lines) if line.startswith("# Result"))
+        assert time < result, f"recipes/{name}.yaml: Time: comes after Result:"
+
+
+def test_a_header_without_time_stops_the_table_naming_the_recipe_file():
+    fields = recipes_table.header_fields("# Reproduces: a paper.\n# Result:     level.")
+    with pytest.raises(recipes_table.HeaderError, match=r"recipes/x\.yaml: the header has no Time: field"):
+        recipes_table.time_summary(fields, "x")
+    timed = recipes_table.header_fields("# Time:       about 5 minutes at scale=tiny,\n#             alone.")
+    assert recipes_table.time_summary(timed, "x") == "about 5 minutes at scale=tiny, alone."
 
 
 def test_header_fields_join_continuations_and_stop_before_a_table():

@@ -6,9 +6,11 @@
 
 Each recipe is composed as `ptrain.compose(name)` (the recipe as written, scale tiny) for its
 stages, each stage's algorithm (its merged config, `ptrain.config.stage_config`) and the
-environments its sampling stages use. What it reproduces and its result are read from the
-header comment: the `Reproduces:` field, and the first sentence of the `Result:` (or
-`Result at scale=...:`) field. A field runs on over the comment lines indented below it.
+environments its sampling stages use. What it reproduces, its time and its result are read
+from the header comment: the `Reproduces:` field, the `Time:` field (the wall time of the
+default run, scale tiny, as the Result states it) and the first sentence of the `Result:` (or
+`Result at scale=...:`) field. A field runs on over the comment lines indented below it. A
+header without a `Time:` field stops the tool with an error that names the recipe file.
 Nothing is run, downloaded or measured here; tests/test_recipes_doc.py keeps the page equal
 to what this prints.
 """
@@ -85,6 +87,23 @@ def result_summary(fields: dict[str, str], recipe: str) -> str:
     return first_sentence(text, recipe)
 
 
+class HeaderError(ValueError):
+    """A recipe header lacks a field the page needs."""
+
+
+def time_summary(fields: dict[str, str], recipe: str) -> str:
+    """The Time field as written; a header without one is an error (every recipe states its
+    wall time at scale=tiny, or that it was not timed)."""
+    text = fields.get("Time")
+    if not text:
+        raise HeaderError(
+            f"recipes/{recipe}.yaml: the header has no Time: field (the wall time of the recipe's "
+            "default run at scale=tiny as its Result states it, or 'not timed' and what is known), "
+            "placed before the Result field"
+        )
+    return text
+
+
 def _number(x: float) -> str:
     return f"{x:g}"
 
@@ -137,7 +156,8 @@ def stage_algorithm(run, stage) -> str | None:
 
 
 def recipe_row(name: str) -> list[str]:
-    """[name, stages, algorithm, environments, objective, reproduces, result] of one recipe."""
+    """[name, stages, algorithm, environments, time at tiny, objective, reproduces, result] of
+    one recipe."""
     import ptrain
     from ptrain.config.stages import STAGES
 
@@ -161,8 +181,18 @@ def recipe_row(name: str) -> list[str]:
     text = (resources.files("ptrain.conf") / "recipe" / f"{name}.yaml").read_text()
     fields = header_fields(text)
     reproduces = fields.get("Reproduces") or "(no Reproduces line in the header)"
+    time = time_summary(fields, name)
     objective = f"`{run.objective}`" if run.objective else "-"
-    return [f"`{name}`", stages, algorithm, ", ".join(envs) or "-", objective, reproduces, result_summary(fields, name)]
+    return [
+        f"`{name}`",
+        stages,
+        algorithm,
+        ", ".join(envs) or "-",
+        time,
+        objective,
+        reproduces,
+        result_summary(fields, name),
+    ]
 
 
 def _cell(text: str) -> str:
@@ -179,13 +209,15 @@ def render() -> str:
         "Every recipe in `recipes/`, composed as written (scale tiny, the CPU size). Each recipe's",
         "header holds its launch lines, its settings next to the published ones with sources, and",
         "what it does not reproduce; `scale=smoke` runs every stage for a few steps (CI) and",
-        "`scale=published` holds the paper's settings where a recipe has them.",
+        "`scale=published` holds the paper's settings where a recipe has them. The time column is",
+        "the wall time of the recipe's default run (scale tiny) as its header states it, with the",
+        "machine and whether other runs shared it.",
         "",
         f"Generated from the recipe files by `{COMMAND}`;",
         "tests/test_recipes_doc.py fails when this page and the recipes disagree.",
         "",
-        "| recipe | stages (kind) | algorithm | environments | objective | reproduces | result |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| recipe | stages (kind) | algorithm | environments | time at tiny | objective | reproduces | result |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name in available_recipes():
         lines.append("| " + " | ".join(_cell(c) for c in recipe_row(name)) + " |")
@@ -224,7 +256,11 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--write", action="store_true", help=f"write {os.path.relpath(DOC, ROOT)}")
     mode.add_argument("--check", action="store_true", help=f"exit 1 when {os.path.relpath(DOC, ROOT)} differs")
     args = parser.parse_args(argv)
-    page = render()
+    try:
+        page = render()
+    except HeaderError as e:
+        print(e, file=sys.stderr)
+        return 1
     if args.write:
         with open(DOC, "w") as f:
             f.write(page)
