@@ -360,10 +360,10 @@ class ContinuousLoop:
         or in this one when the judge has just arrived) and now, and the drop ({} without a
         judge in the loop, or before both were measured)."""
         key = "eval/judge_calibration/agreement"
-        champion_dirs = [*self.state["champion_evals"], os.path.join(stages, "eval_champion")]
-        before = next((_read(os.path.join(d, "DONE.json"))[key] for d in champion_dirs
-                       if os.path.isfile(os.path.join(d, "DONE.json")) and key in _read(os.path.join(d, "DONE.json"))),
-                      None)  # fmt: skip
+        done = [
+            os.path.join(d, "DONE.json") for d in (*self.state["champion_evals"], os.path.join(stages, "eval_champion"))
+        ]
+        before = next((a for a in (_read(p).get(key) for p in done if os.path.isfile(p)) if a is not None), None)
         now_path = os.path.join(stages, "eval_challenger", "DONE.json")
         now = _read(now_path).get(key) if os.path.isfile(now_path) else None
         if before is None or now is None:

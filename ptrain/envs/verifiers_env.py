@@ -142,7 +142,7 @@ class VerifiersEnv(TaskSplits):
             known = self._servers.get(id(engine))
             if known is not None:
                 return known[1]
-            from ptrain.serve.lm_harness import serving
+            from ptrain.serve.in_process import serving
             from ptrain.serve.server import make_app
 
             stack = contextlib.ExitStack()

@@ -7,6 +7,7 @@
   openai_api.py  the OpenAI-compatible routes (/v1/completions, /v1/chat/completions,
                  /v1/models), tool-call parsing
   tokenizer_api.py  /tokenize, /detokenize, /tokenizer_info (remote tokenizers: lm-eval's)
+  in_process.py  `serving(app)`: an app on a loopback port in a thread of this process
   lm_harness.py  lm-evaluation-harness tasks against an in-process server (the eval stage's
                  algo.eval.lm_eval)
 

@@ -16,52 +16,19 @@ lm-eval is an optional dependency (pip install ".[lm_eval]"), imported here only
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
 import os
-import socket
-import threading
-import time
-from collections.abc import Iterator
 from typing import Any
 
 from ptrain.config.grpo import LmEvalConfig
+from ptrain.serve.in_process import serving
 
 log = logging.getLogger("ptrain.serve")
 
 SERVED_NAME = "ptrain-eval"
 """The model name lm-eval sends (the server answers any name with its model)."""
-
-
-@contextlib.contextmanager
-def serving(app, host: str = "127.0.0.1", timeout_s: float = 60.0) -> Iterator[str]:
-    """Serve the ASGI `app` with uvicorn on a free port of `host` in a thread of this process;
-    yields its base URL and stops it on exit. The port is bound before the server starts, so
-    no other process can take it in between."""
-    import uvicorn
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="ptrain-serve-inproc", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + timeout_s
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            server.should_exit = True
-            sock.close()
-            raise RuntimeError(f"the in-process server on {host}:{port} did not start within {timeout_s:.0f} s")
-        time.sleep(0.02)
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
 
 
 def metrics_of(results: dict[str, Any]) -> dict[str, float]:

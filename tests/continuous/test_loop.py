@@ -23,7 +23,7 @@ from starlette.routing import Route
 
 import ptrain
 from ptrain.continuous import ledger
-from ptrain.serve.lm_harness import serving
+from ptrain.serve.in_process import serving
 from tests.rollout.test_serve_process import start_server
 
 pytestmark = pytest.mark.slow

@@ -34,7 +34,7 @@ from ptrain.envs.judge import (
 from ptrain.envs.registry import ENV_CLASSES, env_class, make_env
 from ptrain.rollout.protocol import SamplingParams
 from ptrain.rollout.replay import Completion, ReplayEngine
-from ptrain.serve.lm_harness import serving
+from ptrain.serve.in_process import serving
 from tests.envs.reward_models import score_by_hand, tiny_reward_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

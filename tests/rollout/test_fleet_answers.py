@@ -14,7 +14,7 @@ from ptrain.config.model import ModelConfig
 from ptrain.models import Decoder
 from ptrain.rollout.fleet import FleetEngine, FleetUnavailable, RequestFailed, WeightSyncError
 from ptrain.rollout.protocol import GenerateRequest, SamplingParams
-from ptrain.serve.lm_harness import serving
+from ptrain.serve.in_process import serving
 from ptrain.train.state import split_model
 
 ANSWER: dict = {}

@@ -19,7 +19,7 @@ tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
 from ptrain.client import Datum, ForwardOutput, OptimStepOutput  # noqa: E402
-from ptrain.serve.lm_harness import serving  # noqa: E402
+from ptrain.serve.in_process import serving  # noqa: E402
 from ptrain.tinker import wire  # noqa: E402
 from ptrain.tinker.server import make_app  # noqa: E402
 from ptrain.tinker.service import TinkerError  # noqa: E402
